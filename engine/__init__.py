@@ -1,0 +1,56 @@
+"""engine: a small, plugin-based training engine for PyTorch and Hugging Face models.
+
+Public API::
+
+    import engine
+
+    @engine.hookimpl
+    def on_step_end(run): ...            # a plugin: see engine.hookspecs
+
+    run = engine.Run("run.toml", overrides=["train.max_steps=50"])
+    run.train()
+
+Importing ``engine`` loads only pluggy; torch and the rest load on first use of an attribute.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import pluggy
+
+__version__ = "0.1.0"
+
+hookimpl = pluggy.HookimplMarker("engine")
+"""Marker for plugin hook implementations: ``@engine.hookimpl``."""
+
+_LAZY = {
+    "Run": "engine.run",
+    "StepOutput": "engine.run",
+    "TrainState": "engine.run",
+    "Control": "engine.run",
+    "Strategy": "engine.strategy",
+    "EvalPrediction": "engine.loop",
+    "TrainConfig": "engine.config",
+    "DataConfig": "engine.config",
+    "option": "engine.config",
+    "EngineError": "engine.errors",
+    "ConfigError": "engine.errors",
+    "PluginError": "engine.errors",
+    "MissingDependencyError": "engine.errors",
+    "CheckpointError": "engine.errors",
+    "param_groups": "engine.optim",
+    "parse_optim_args": "engine.optim",
+}
+
+__all__ = ["hookimpl", "__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,104 @@
+"""Learning-rate schedules with linear warmup, as transformers' ``get_scheduler`` defines them.
+
+Each is a ``LambdaLR`` over the optimizer's base learning rates, stepped once per optimizer
+step. Extra arguments come from ``train.lr_scheduler_kwargs``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from torch.optim.lr_scheduler import LambdaLR
+
+from engine import hookimpl
+from engine.errors import ConfigError
+
+
+def _warmup(step: int, warmup: int) -> float:
+    return step / max(1, warmup)
+
+
+def _linear(step: int, *, warmup: int, total: int) -> float:
+    if step < warmup:
+        return _warmup(step, warmup)
+    return max(0.0, (total - step) / max(1, total - warmup))
+
+
+def _cosine(step: int, *, warmup: int, total: int, num_cycles: float) -> float:
+    if step < warmup:
+        return _warmup(step, warmup)
+    progress = (step - warmup) / max(1, total - warmup)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * progress)))
+
+
+def _constant(step: int) -> float:
+    return 1.0
+
+
+def _constant_with_warmup(step: int, *, warmup: int) -> float:
+    return _warmup(step, warmup) if step < warmup else 1.0
+
+
+def _polynomial(step: int, *, warmup: int, total: int, lr_init: float, lr_end: float, power: float) -> float:
+    if step < warmup:
+        return _warmup(step, warmup)
+    if step > total:
+        return lr_end / lr_init
+    decay = (lr_init - lr_end) * (1 - (step - warmup) / (total - warmup)) ** power + lr_end
+    return decay / lr_init
+
+
+def _schedule(fn, **fixed):
+    """A scheduler factory: ``factory(optimizer, num_warmup_steps, num_training_steps, **kwargs)``."""
+
+    def factory(optimizer, num_warmup_steps, num_training_steps, **kwargs):
+        try:
+            lam = fn(optimizer, num_warmup_steps, num_training_steps, **fixed, **kwargs)
+        except TypeError as exc:
+            raise ConfigError(f"train.lr_scheduler_kwargs: {exc}") from None
+        return LambdaLR(optimizer, lam)
+
+    return factory
+
+
+def linear(optimizer, warmup, total):
+    return functools.partial(_linear, warmup=warmup, total=total)
+
+
+def cosine(optimizer, warmup, total, num_cycles=0.5):
+    return functools.partial(_cosine, warmup=warmup, total=total, num_cycles=num_cycles)
+
+
+def constant(optimizer, warmup, total):
+    return _constant
+
+
+def constant_with_warmup(optimizer, warmup, total):
+    return functools.partial(_constant_with_warmup, warmup=warmup)
+
+
+def polynomial(optimizer, warmup, total, lr_end=1e-7, power=1.0):
+    lr_init = optimizer.defaults["lr"]
+    if not lr_init > lr_end:
+        raise ConfigError(f"train.lr_scheduler_kwargs.lr_end ({lr_end}) must be smaller than "
+                          f"train.learning_rate ({lr_init})")
+    return functools.partial(_polynomial, warmup=warmup, total=total, lr_init=lr_init, lr_end=lr_end, power=power)
+
+
+@hookimpl
+def register_schedulers(register):
+    for fn in (linear, cosine, constant, constant_with_warmup, polynomial):
+        register(fn.__name__, _schedule(fn))
+
+
+@hookimpl
+def configure(run):
+    run.registries["scheduler"].get(run.config.train.lr_scheduler_type)
+
+
+@hookimpl(trylast=True)
+def create_scheduler(run, optimizer):
+    entry = run.registries["scheduler"].get(run.config.train.lr_scheduler_type)
+    return entry.factory(optimizer, run.num_warmup_steps, run.num_training_steps,
+                         **run.config.train.lr_scheduler_kwargs)

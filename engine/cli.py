@@ -1,0 +1,96 @@
+"""The ``engine`` command: train, plan, plugins.
+
+Bad input (a missing run file, a TOML syntax error, an unknown plugin, optimizer or key, a
+wrong type) prints one line ``engine: error: ...`` and exits with status 2, no traceback.
+Only argparse and the config module load before a command runs, so ``engine --help`` is fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from . import __version__
+from .errors import EngineError
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_file", nargs="?", metavar="RUN.toml",
+                        help="run file; without one, the embedded default run")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value, e.g. --set train.learning_rate=1e-4 (repeatable)")
+    parser.add_argument("--plugins", dest="plugin_edits", action="append", default=[], metavar="EDIT",
+                        help="'+name,-name' enables/disables plugins; 'a,b' replaces the list")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="engine", description=(
+        "A small, plugin-based training engine for PyTorch and Hugging Face models."))
+    parser.add_argument("--version", action="version", version=f"engine {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train = commands.add_parser("train", help="train a run (default: the embedded tiny run)")
+    _add_run_arguments(train)
+    plan = commands.add_parser("plan", help="show the composed run: plugins, hook order, full config")
+    _add_run_arguments(plan)
+    plugins = commands.add_parser("plugins", help="list installed plugins, their hooks and names")
+    _add_run_arguments(plugins)
+    return parser
+
+
+def _make_run(args: argparse.Namespace) -> Any:
+    from .run import Run, default_run_mapping
+
+    config = args.run_file if args.run_file is not None else default_run_mapping()
+    return Run(config, overrides=args.sets, plugin_edits=args.plugin_edits)
+
+
+def _train(args: argparse.Namespace) -> int:
+    run = _make_run(args)
+    run.train()
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    print(_make_run(args).plan())
+    return 0
+
+
+def _plugins(args: argparse.Namespace) -> int:
+    from .plugins import describe_installed, installed_plugins
+
+    run = _make_run(args)
+    enabled = set(run.config.plugins)
+    rows = []
+    for plugin in installed_plugins().values():
+        try:
+            hooks, names = describe_installed(plugin)
+            detail = f"hooks: {', '.join(hooks) or '-'}"
+            if names:
+                detail += "; registers " + "; ".join(f"{kind} {', '.join(v)}" for kind, v in names.items())
+        except EngineError as exc:
+            detail = f"cannot load: {exc}"
+        state = "enabled" if plugin.name in enabled else "installed"
+        rows.append(f"{plugin.name:<16} {plugin.distribution} {plugin.version:<10} {state:<9}  {detail}")
+    print("installed plugins:" if rows else "installed plugins: (none)")
+    print("\n".join("  " + row for row in rows))
+    pm = run.plugin_manager
+    print("builtins (always on, replaced by enabled plugins):")
+    for kind, registry in run.registries.items():
+        builtin_names = [n for n, e in registry.entries.items() if e.plugin.startswith("builtin.")]
+        print(f"  {kind:<10} {', '.join(sorted(builtin_names))}")
+    print(f"hooks: {', '.join(pm.hook_names())}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    command = {"train": _train, "plan": _plan, "plugins": _plugins}[args.command]
+    try:
+        return command(args)
+    except EngineError as exc:
+        print(f"engine: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("engine: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,361 @@
+"""Run configuration: typed sections, validation, TOML run files and ``--set`` overrides.
+
+A run is described by one mapping (a TOML file, a Python dict, or the embedded default)::
+
+    plugins = ["neftune"]      # enabled plugins, by entry-point name
+    [train]                    # TrainConfig: model, optimizer, loop
+    [data]                     # DataConfig: tokenizer and datasets
+    [neftune]                  # one section per enabled plugin, validated by its schema
+
+Every section is a dataclass. :func:`from_mapping` checks a mapping against one: unknown keys
+and wrong types are :class:`~engine.errors.ConfigError` naming the key path and the expected
+type. Plugins declare their own section the same way (see ``hookspecs.plugin_options``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+from .errors import ConfigError
+
+CORE_SECTIONS = ("train", "data")
+
+
+def option(default: Any = dataclasses.MISSING, *, help: str, default_factory: Any = dataclasses.MISSING):
+    """A dataclass field with a help text (shown by ``engine plan`` and the docs)."""
+    return field(default=default, default_factory=default_factory, metadata={"help": help})
+
+
+@dataclass
+class TrainConfig:
+    """``[train]``: the model, the optimizer and the loop. Names follow ``TrainingArguments``."""
+
+    model: str = option("tiny-llama", help=(
+        "builtin config name (tiny-llama, small-llama), a local HF folder (from_pretrained), "
+        "a config .json file (random weights) or 'package.module:function' returning an nn.Module"))
+    model_config: dict[str, Any] = option(default_factory=dict, help=(
+        "overrides applied to the model config when building from a name or .json file"))
+    output_dir: str = option("output", help="where metrics, checkpoints and the final model go")
+    seed: int = option(42, help="seed for weights, data order and dropout")
+    max_steps: int = option(-1, help="total optimizer steps; > 0 overrides num_train_epochs")
+    num_train_epochs: float = option(3.0, help="epochs to train when max_steps <= 0")
+    per_device_train_batch_size: int = option(8, help="micro-batch size per device")
+    per_device_eval_batch_size: int = option(8, help="evaluation batch size per device")
+    gradient_accumulation_steps: int = option(1, help="micro-batches per optimizer step")
+    learning_rate: float = option(5e-5, help="peak learning rate")
+    weight_decay: float = option(0.0, help="decoupled weight decay (not applied to biases and norms)")
+    adam_beta1: float = option(0.9, help="Adam beta1")
+    adam_beta2: float = option(0.999, help="Adam beta2")
+    adam_epsilon: float = option(1e-8, help="Adam epsilon")
+    max_grad_norm: float = option(1.0, help="clip the global gradient norm to this; 0 disables")
+    optim: str = option("adamw_torch", help="optimizer name, as TrainingArguments.optim")
+    optim_args: str | None = option(None, help="extra optimizer arguments 'key=value,key=value'")
+    optim_target_modules: list[str] | str | None = option(None, help=(
+        "modules an optimizer such as GaLore applies to (regexes or names)"))
+    lr_scheduler_type: str = option("linear", help=(
+        "linear, cosine, constant, constant_with_warmup, polynomial or a plugin's name"))
+    lr_scheduler_kwargs: dict[str, Any] = option(default_factory=dict, help=(
+        "extra scheduler arguments (e.g. power, lr_end for polynomial)"))
+    warmup_steps: int = option(0, help="linear warmup steps; > 0 overrides warmup_ratio")
+    warmup_ratio: float = option(0.0, help="warmup as a fraction of the total steps")
+    label_smoothing_factor: float = option(0.0, help="label smoothing for the default loss")
+    bf16: bool = option(False, help="bfloat16 autocast (CPU or GPU)")
+    fp16: bool = option(False, help="float16 autocast with loss scaling (GPU only)")
+    use_cpu: bool = option(False, help="train on the CPU even when a GPU is present")
+    strategy: str = option("auto", help=(
+        "distributed strategy name; 'auto' takes the one an enabled plugin provides, else 'single'"))
+    logging_steps: int = option(10, help="log metrics every N optimizer steps")
+    logging_first_step: bool = option(False, help="also log after the first step")
+    eval_strategy: Literal["no", "steps", "epoch"] = option("no", help="when to evaluate")
+    eval_steps: int | None = option(None, help="evaluate every N steps (default: logging_steps)")
+    save_strategy: Literal["no", "steps", "epoch"] = option("steps", help="when to save a checkpoint")
+    save_steps: int = option(500, help="save every N steps when save_strategy = 'steps'")
+    resume_from_checkpoint: bool | str | None = option(None, help=(
+        "true: newest checkpoint in output_dir; a path: that checkpoint"))
+    compute_metrics: str | None = option(None, help=(
+        "'package.module:function' taking an EvalPrediction and returning a dict of floats"))
+    dataloader_num_workers: int = option(0, help="DataLoader worker processes")
+    dataloader_drop_last: bool = option(False, help="drop the last incomplete batch")
+    disable_tqdm: bool = option(False, help="no console progress bar")
+    run_name: str | None = option(None, help="a name for trackers (default: output_dir's name)")
+
+
+@dataclass
+class DataConfig:
+    """``[data]``: the tokenizer and the datasets."""
+
+    train: str = option("embedded", help=(
+        "'embedded' (docstrings that ship with Python), a .txt/.jsonl/.json/.parquet file, or "
+        "'package.module:function' taking the tokenizer and returning a torch Dataset"))
+    eval: str | None = option(None, help="evaluation data, same forms as train")
+    eval_split: float = option(0.0, help="fraction of the train documents held out for eval when eval is unset")
+    text_column: str = option("text", help="column holding the text in .jsonl/.json/.parquet files")
+    max_length: int = option(128, help="tokens per example")
+    packing: bool = option(True, help="concatenate documents and cut into max_length blocks; else pad")
+    tokenizer: str = option("auto", help=(
+        "'auto' (the model folder's tokenizer, else train one), 'train', or a local tokenizer folder"))
+    tokenizer_vocab_size: int = option(1024, help="vocabulary size of a trained tokenizer")
+
+
+# ---------------------------------------------------------------------------- validation
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        (item,) = typing.get_args(tp) or (Any,)
+        return f"list of {_type_name(item)}"
+    if origin is dict:
+        return "table"
+    if tp is type(None):
+        return "none"
+    if tp is Any:
+        return "any"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _describe(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}"
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+    """Return ``value`` checked (and int->float widened) against type ``tp``, else raise."""
+    if tp is Any:
+        return value
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+    elif origin in (Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _convert(value, arg, path)
+            except ConfigError:
+                continue
+    elif origin is list:
+        if isinstance(value, list):
+            (item,) = typing.get_args(tp) or (Any,)
+            return [_convert(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
+    elif origin is dict:
+        if isinstance(value, dict):
+            return dict(value)
+    elif dataclasses.is_dataclass(tp):
+        if isinstance(value, dict):
+            return from_mapping(tp, value, path)
+    elif tp is type(None):
+        if value is None:
+            return None
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif isinstance(value, tp):
+        return value
+    raise ConfigError(f"{path}: expected {_type_name(tp)}, got {_describe(value)}")
+
+
+def from_mapping(cls: type, data: dict[str, Any], path: str) -> Any:
+    """Build dataclass ``cls`` from ``data``; ``path`` prefixes key names in errors."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a table, got {_describe(data)}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in data:
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(fields)}"
+            raise ConfigError(f"{path}.{key}: unknown key{hint}")
+    kwargs = {key: _convert(value, hints[key], f"{path}.{key}") for key, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # a required field without default was not given
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def to_mapping(instance: Any) -> dict[str, Any]:
+    """The dataclass as a plain dict (the inverse of :func:`from_mapping`)."""
+    return dataclasses.asdict(instance)
+
+
+# ---------------------------------------------------------------------------- run files
+
+
+def read_run_file(path: str | Path) -> dict[str, Any]:
+    """Parse a TOML run file; a missing file or a syntax error is a ConfigError."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"run file not found: {path}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read run file {path}: {exc.strerror}") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: TOML syntax error: {exc}") from None
+
+
+def parse_value(text: str) -> Any:
+    """A ``--set`` value: any TOML value (1e-4, true, [1, 2], "x"), else the bare string."""
+    try:
+        return tomllib.loads(f"value = {text}")["value"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(raw: dict[str, Any], sets: list[str] = (), plugin_edits: list[str] = ()) -> dict[str, Any]:
+    """Apply ``--set a.b=v`` and ``--plugins +x,-y`` (or ``--plugins x,y`` to replace) to ``raw``.
+
+    Returns a new mapping; ``raw`` is not modified.
+    """
+    raw = _deep_copy(raw)
+    for item in sets:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. train.learning_rate=1e-4")
+        parts = key.strip().split(".")
+        node = raw
+        for depth, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {item!r}: {'.'.join(parts[:depth + 1])} is not a table")
+            node = child
+        node[parts[-1]] = parse_value(text.strip())
+    for edit in plugin_edits:
+        names = [n.strip() for n in edit.split(",") if n.strip()]
+        if names and all(n[0] not in "+-" for n in names):
+            raw["plugins"] = names
+            continue
+        current = list(raw.get("plugins", []))
+        for name in names:
+            if name[0] == "+":
+                if name[1:] not in current:
+                    current.append(name[1:])
+            elif name[0] == "-":
+                if name[1:] not in current:
+                    raise ConfigError(f"--plugins {name}: {name[1:]!r} is not enabled (enabled: {current})")
+                current.remove(name[1:])
+            else:
+                raise ConfigError(f"--plugins {edit!r}: mix of names with and without +/-; "
+                                  "use +name,-name to edit or a plain list to replace")
+        raw["plugins"] = current
+    return raw
+
+
+def _deep_copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _deep_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_deep_copy(v) for v in value]
+    return value
+
+
+def enabled_plugins(raw: dict[str, Any]) -> list[str]:
+    """The ``plugins`` list of a raw run mapping, checked."""
+    names = raw.get("plugins", [])
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"plugins: expected list of str, got {_describe(names)}")
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ConfigError(f"plugins: {', '.join(duplicates)} listed twice")
+    return list(names)
+
+
+@dataclass
+class RunConfig:
+    """The composed, validated run: core sections plus each enabled plugin's options."""
+
+    plugins: list[str]
+    train: TrainConfig
+    data: DataConfig
+    sections: dict[str, Any] = field(default_factory=dict)  # plugin name -> options dataclass
+
+    def section(self, plugin: str) -> Any:
+        """The validated options of ``plugin`` (its ``plugin_options`` dataclass instance)."""
+        try:
+            return self.sections[plugin]
+        except KeyError:
+            raise ConfigError(f"plugin {plugin!r} declares no options or is not enabled") from None
+
+    def to_mapping(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"plugins": list(self.plugins), "train": to_mapping(self.train),
+                               "data": to_mapping(self.data)}
+        for name, options in self.sections.items():
+            out[name] = to_mapping(options)
+        return out
+
+
+def compose(raw: dict[str, Any], schemas: dict[str, type | None]) -> RunConfig:
+    """Validate a raw run mapping. ``schemas`` maps each enabled plugin to its options class."""
+    plugins = enabled_plugins(raw)
+    for key, value in raw.items():
+        if key == "plugins" or key in CORE_SECTIONS:
+            continue
+        if key not in plugins:
+            known = ", ".join(["plugins", *CORE_SECTIONS, *plugins])
+            raise ConfigError(f"{key}: unknown section; not a core section or an enabled plugin "
+                              f"(known: {known}); enable the plugin with plugins = [..., {key!r}]")
+        if schemas.get(key) is None:
+            raise ConfigError(f"[{key}]: plugin {key!r} takes no options")
+    sections = {}
+    for name in plugins:
+        schema = schemas.get(name)
+        if schema is not None:
+            sections[name] = from_mapping(schema, raw.get(name, {}), name)
+    return RunConfig(
+        plugins=plugins,
+        train=from_mapping(TrainConfig, raw.get("train", {}), "train"),
+        data=from_mapping(DataConfig, raw.get("data", {}), "data"),
+        sections=sections,
+    )
+
+
+# ---------------------------------------------------------------------------- TOML output
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"cannot write {type(value).__name__} as TOML")
+
+
+def to_toml(mapping: dict[str, Any], comments: dict[str, dict[str, str]] | None = None) -> str:
+    """Write a run mapping as TOML. Unset (None) values appear as comments."""
+    comments = comments or {}
+    lines = []
+    for key, value in mapping.items():
+        if not isinstance(value, dict):
+            lines.append(f"{key} = {_toml_value(value)}")
+    for section, values in mapping.items():
+        if not isinstance(values, dict):
+            continue
+        lines.append(f"\n[{section}]")
+        for key, value in values.items():
+            note = comments.get(section, {}).get(key)
+            suffix = f"  # {note}" if note else ""
+            if value is None:
+                lines.append(f"# {key} = (unset){suffix}")
+            else:
+                lines.append(f"{key} = {_toml_value(value)}{suffix}")
+    return "\n".join(lines) + "\n"

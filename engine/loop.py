@@ -1,0 +1,330 @@
+"""The training loop. Every hook fires where this pseudocode says::
+
+    Run(config)                                   # compose: plugin_options, register_optimizers,
+                                                  #   register_schedulers, register_strategies
+        configure(run)                            # refuse conflicts before anything loads
+    run.setup()
+        strategy = create_strategy(run); strategy.setup()
+        tokenizer, datasets, model                # from [train] / [data], or given to Run
+        undo = patch_model(run, model)            # each plugin, in order
+        model = strategy.prepare_model(model)
+        optimizer = create_optimizer(run); scheduler = create_scheduler(run, optimizer)
+    train(run)
+        if resuming: restore weights, optimizer, scheduler, RNG, state
+                     load_checkpoint_state(run, state)            # each plugin its own
+        log_hyperparams(run, config)                              # main process
+        on_train_start(run)
+        on_train_mode(run)
+        for epoch:
+            on_epoch_start(run)
+            for window of gradient_accumulation_steps micro-batches:
+                out = training_step(run, batches, num_items)      # builtin: per micro-batch
+                                                                  #   compute_loss + backward,
+                                                                  #   clip, optimizer.step
+                scheduler.step()
+                on_step_end(run)                                  # may set run.control flags
+                every logging_steps:  log_metrics(run, metrics, step)
+                every eval_steps:     evaluate(run)               # see below, then on_train_mode
+                every save_steps:     save(run)                   # see below, then on_train_mode
+                if run.control.should_stop or step == max_steps: stop
+            on_epoch_end(run)
+            eval_strategy / save_strategy "epoch": evaluate / save
+        on_eval_mode(run)
+        on_train_end(run)
+        undo patches (reverse order)
+        log_finish(run, status)                                   # also when training raised
+
+    evaluate(run)
+        on_eval_mode(run)
+        for batch: compute_loss(run, model, batch, num_items)     # no_grad
+        log_metrics(run, eval_metrics, step); on_evaluate(run, eval_metrics)
+
+    save(run)
+        on_eval_mode(run)
+        checkpoint_state(run)                                     # each plugin its own
+        write output_dir/checkpoint-<step>/ atomically
+        on_checkpoint_saved(run, path)
+
+Per-step work is kept to what a hand-written loop does: hook callers are looked up once, the
+loss stays a tensor until a log step (no host sync per step), nothing is allocated per step
+beyond the batches themselves.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import checkpoint
+from .errors import ConfigError
+from .loss import count_items
+
+if TYPE_CHECKING:
+    from .run import Run
+
+
+def train(run: Run) -> dict[str, float]:
+    run.setup()
+    hook, state, control, strategy = run.hook, run.state, run.control, run.strategy
+    train_cfg = run.config.train
+    main = strategy.is_main_process
+    accumulation = train_cfg.gradient_accumulation_steps
+    state.max_steps = run.num_training_steps
+    checkpoint.resume_if_requested(run)
+
+    eval_every = (train_cfg.eval_steps or train_cfg.logging_steps) if train_cfg.eval_strategy == "steps" else 0
+    save_every = train_cfg.save_steps if train_cfg.save_strategy == "steps" else 0
+    log_every = train_cfg.logging_steps
+    steps_per_epoch = state.steps_per_epoch  # 0 for an IterableDataset: an epoch ends when it does
+    num_epochs = math.ceil(state.max_steps / steps_per_epoch) if steps_per_epoch else None
+    sampler = run.train_loader.sampler if hasattr(run.train_loader.sampler, "set_epoch") else None
+
+    # hook callers looked up once: the per-step cost is pluggy's dispatch only
+    training_step, on_step_end = hook.training_step, hook.on_step_end
+    scheduler_step = run.scheduler.step
+    optimizer = run.optimizer
+    shift = run.label_shift
+
+    logged = _Interval(state)
+    lr = optimizer.param_groups[0]["lr"]
+    status = "failed"
+    start_time = time.perf_counter()
+    start_step = state.global_step
+    if main:
+        hook.log_hyperparams(run=run, params=run.config.to_mapping())
+    try:
+        hook.on_train_start(run=run)
+        hook.on_train_mode(run=run)
+        first_epoch = state.global_step // steps_per_epoch if steps_per_epoch else 0
+        for epoch in itertools.count(first_epoch) if num_epochs is None else range(first_epoch, num_epochs):
+            if state.global_step >= state.max_steps:
+                break
+            done_in_epoch = state.global_step - epoch * steps_per_epoch if steps_per_epoch else 0
+            if sampler is not None:
+                sampler.set_epoch(epoch, done_in_epoch * accumulation * train_cfg.per_device_train_batch_size)
+            state.epoch = float(epoch) + (done_in_epoch / steps_per_epoch if steps_per_epoch else 0.0)
+            hook.on_epoch_start(run=run)
+            batches = iter(run.train_loader)
+            step_in_epoch = done_in_epoch
+            while True:
+                window = [strategy.to_device(b) for b in itertools.islice(batches, accumulation)]
+                if not window:
+                    break
+                num_items = None
+                if "labels" in window[0]:
+                    num_items = count_items(window[0]["labels"], shift)
+                    for batch in window[1:]:
+                        num_items = num_items + count_items(batch["labels"], shift)
+                logged.tokens += sum(b["input_ids"].numel() for b in window if "input_ids" in b)
+
+                lr = optimizer.param_groups[0]["lr"]
+                out = training_step(run=run, batches=window, num_items_in_batch=num_items)
+                scheduler_step()
+                state.global_step += 1
+                step_in_epoch += 1
+                state.epoch = epoch + (step_in_epoch / steps_per_epoch if steps_per_epoch else 0.0)
+                logged.add(out)
+                on_step_end(run=run)
+
+                step = state.global_step
+                last = step >= state.max_steps
+                if step % log_every == 0 or (train_cfg.logging_first_step and step == 1) or last:
+                    metrics = logged.flush(lr)
+                    if main:
+                        hook.log_metrics(run=run, metrics=metrics, step=step)
+                if (eval_every and step % eval_every == 0) or control.should_evaluate:
+                    control.should_evaluate = False
+                    evaluate(run)
+                    hook.on_train_mode(run=run)
+                if (save_every and step % save_every == 0) or control.should_save:
+                    control.should_save = False
+                    checkpoint.save(run)
+                    hook.on_train_mode(run=run)
+                if control.should_stop or last:
+                    break
+            hook.on_epoch_end(run=run)
+            if train_cfg.eval_strategy == "epoch" or control.should_evaluate:
+                control.should_evaluate = False
+                evaluate(run)
+                hook.on_train_mode(run=run)
+            if train_cfg.save_strategy == "epoch" or control.should_save:
+                control.should_save = False
+                checkpoint.save(run)
+                hook.on_train_mode(run=run)
+            if control.should_stop:
+                break
+        if logged.steps:  # steps since the last log, when a plugin stopped the run
+            metrics = logged.flush(lr)
+            if main:
+                hook.log_metrics(run=run, metrics=metrics, step=state.global_step)
+        runtime = time.perf_counter() - start_time
+        steps = state.global_step - start_step
+        summary = {
+            "train_runtime": round(runtime, 4),
+            "train_steps_per_second": round(steps / runtime, 3) if runtime else 0.0,
+            "train_loss": logged.mean_loss,
+        }
+        if main:
+            hook.log_metrics(run=run, metrics=summary, step=state.global_step)
+        hook.on_eval_mode(run=run)
+        hook.on_train_end(run=run)
+        status = "success"
+        return summary
+    finally:
+        for undo in reversed(run.undo_patches):
+            undo()
+        run.undo_patches = []
+        if main:
+            hook.log_finish(run=run, status=status)
+        strategy.teardown()
+
+
+class _Interval:
+    """Sums over the current logging interval; the loss stays a tensor until it is logged."""
+
+    def __init__(self, state: Any):
+        self.state = state
+        self.loss: torch.Tensor | float = 0.0
+        self.steps = 0
+        self.tokens = 0
+        self.grad_norm: Any = None
+        self.started = time.perf_counter()
+        self.total_loss = 0.0
+        self.total_steps = 0
+
+    def add(self, out: Any) -> None:
+        self.loss = self.loss + out.loss.detach()
+        self.steps += 1
+        self.grad_norm = out.grad_norm
+
+    def flush(self, lr: float) -> dict[str, float]:
+        now = time.perf_counter()
+        elapsed = now - self.started
+        loss = float(self.loss) / max(self.steps, 1)
+        self.total_loss += float(self.loss)
+        self.total_steps += self.steps
+        self.state.num_input_tokens_seen += self.tokens
+        metrics = {"loss": round(loss, 6), "learning_rate": lr}
+        if self.grad_norm is not None:
+            metrics["grad_norm"] = round(float(self.grad_norm), 6)
+        metrics.update({
+            "tokens_per_second": round(self.tokens / elapsed, 1) if elapsed else 0.0,
+            "step_time": round(elapsed / max(self.steps, 1), 6),
+            "epoch": round(self.state.epoch, 4),
+        })
+        self.state.log_history.append({"step": self.state.global_step, **metrics})
+        self.loss, self.steps, self.tokens, self.started = 0.0, 0, 0, now
+        return metrics
+
+    @property
+    def mean_loss(self) -> float:
+        return round(self.total_loss / self.total_steps, 6) if self.total_steps else float("nan")
+
+
+def evaluate(run: Run, dataset: Any = None, prefix: str = "eval") -> dict[str, float]:
+    """Evaluate ``dataset`` (default: the run's eval data; a dict evaluates each, prefixed)."""
+    dataset = dataset if dataset is not None else run.eval_dataset
+    if dataset is None:
+        raise ConfigError("no evaluation data: set data.eval or data.eval_split, or pass eval_dataset")
+    metrics: dict[str, float] = {}
+    run.hook.on_eval_mode(run=run)
+    if isinstance(dataset, dict):
+        for name, part in dataset.items():
+            metrics.update(_evaluate_one(run, part, f"{prefix}_{name}"))
+    else:
+        metrics.update(_evaluate_one(run, dataset, prefix))
+    state = run.state
+    metrics["epoch"] = round(state.epoch, 4)
+    state.log_history.append({"step": state.global_step, **metrics})
+    if run.strategy.is_main_process:
+        run.hook.log_metrics(run=run, metrics=metrics, step=state.global_step)
+    run.hook.on_evaluate(run=run, metrics=metrics)
+    return metrics
+
+
+def _evaluate_one(run: Run, dataset: Any, prefix: str) -> dict[str, float]:
+    from .run import EpochSampler
+
+    strategy, model, train_cfg = run.strategy, run.wrapped_model, run.config.train
+    sampler = None
+    if not isinstance(dataset, torch.utils.data.IterableDataset):
+        sampler = EpochSampler(len(dataset), 0, False, strategy.rank, strategy.world_size)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=train_cfg.per_device_eval_batch_size,
+                                         sampler=sampler, collate_fn=run.data_collator,
+                                         num_workers=train_cfg.dataloader_num_workers)
+    compute_loss = run.hook.compute_loss
+    want_predictions = run.compute_metrics is not None
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    weight_sum = torch.zeros((), dtype=torch.float64)
+    predictions, label_ids = [], []
+    samples = 0
+    started = time.perf_counter()
+    with torch.no_grad():
+        for batch in loader:
+            batch = strategy.to_device(batch)
+            num_items = count_items(batch["labels"], run.label_shift) if "labels" in batch else None
+            with strategy.autocast():
+                loss = compute_loss(run=run, model=model, batch=batch, num_items_in_batch=num_items)
+                outputs = model(**batch) if want_predictions else None
+            weight = num_items if num_items is not None else len(next(iter(batch.values())))
+            loss_sum += loss.detach().double().cpu() * float(weight)
+            weight_sum += float(weight)
+            samples += len(next(iter(batch.values())))
+            if want_predictions:
+                predictions.append(_logits(outputs).detach().float().cpu())
+                if "labels" in batch:
+                    label_ids.append(batch["labels"].cpu())
+    loss_sum = strategy.reduce(loss_sum.to(strategy.device), "sum").cpu()
+    weight_sum = strategy.reduce(weight_sum.to(strategy.device), "sum").cpu()
+    runtime = time.perf_counter() - started
+    metrics = {
+        f"{prefix}_loss": round(float(loss_sum / weight_sum), 6) if weight_sum > 0 else float("nan"),
+        f"{prefix}_runtime": round(runtime, 4),
+        f"{prefix}_samples_per_second": round(samples / runtime, 3) if runtime else 0.0,
+    }
+    if want_predictions:
+        prediction = EvalPrediction(_concat_padded(predictions), _concat_padded(label_ids) if label_ids else None)
+        for key, value in run.compute_metrics(prediction).items():
+            metrics[key if key.startswith(prefix + "_") else f"{prefix}_{key}"] = value
+    return metrics
+
+
+class EvalPrediction(tuple):
+    """``(predictions, label_ids)`` as numpy arrays, like transformers.EvalPrediction."""
+
+    def __new__(cls, predictions: Any, label_ids: Any):
+        return super().__new__(cls, (predictions, label_ids))
+
+    @property
+    def predictions(self) -> Any:
+        return self[0]
+
+    @property
+    def label_ids(self) -> Any:
+        return self[1]
+
+
+def _logits(outputs: Any) -> torch.Tensor:
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    logits = getattr(outputs, "logits", None)
+    if logits is None and isinstance(outputs, (tuple, list)):
+        logits = outputs[0]
+    if logits is None and isinstance(outputs, dict):
+        logits = outputs.get("logits")
+    if logits is None:
+        raise ConfigError("compute_metrics needs logits: the model output has no 'logits'")
+    return logits
+
+
+def _concat_padded(tensors: list[torch.Tensor]) -> Any:
+    """Concatenate along dim 0, right-padding dim 1 with -100 when lengths differ; numpy out."""
+    if tensors[0].dim() > 1:
+        width = max(t.shape[1] for t in tensors)
+        tensors = [torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1]), value=-100)
+                   if t.shape[1] < width else t for t in tensors]
+    return torch.cat(tensors).numpy()

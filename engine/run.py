@@ -1,0 +1,309 @@
+"""A composed run: config + plugins + the objects the loop trains.
+
+:class:`Run` is the Python API (like ``transformers.Trainer``) and the object every hook
+receives. Constructing it composes and validates the run (cheap: no model, no data);
+:meth:`Run.setup` builds strategy, tokenizer, data, model, optimizer and scheduler through the
+hooks; :meth:`Run.train` / :meth:`Run.evaluate` run the loop in ``engine/loop.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable, Iterator, NamedTuple
+
+import torch
+
+from . import config as cfg
+from .errors import ConfigError
+from .plugins import PluginManager
+
+
+class StepOutput(NamedTuple):
+    """What a ``training_step`` returns: the window's mean loss and the pre-clip grad norm."""
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor | float | None = None
+
+
+@dataclass
+class TrainState:
+    """Progress of the run; saved in checkpoints as trainer_state.json."""
+
+    global_step: int = 0
+    epoch: float = 0.0
+    max_steps: int = 0
+    steps_per_epoch: int = 0
+    num_input_tokens_seen: int = 0
+    log_history: list[dict[str, Any]] = field(default_factory=list)
+    best_metric: float | None = None
+    best_model_checkpoint: str | None = None
+
+
+@dataclass
+class Control:
+    """Requests plugins make from lifecycle hooks; the loop acts on them after the current step."""
+
+    should_stop: bool = False
+    should_save: bool = False
+    should_evaluate: bool = False
+    stop_reason: str | None = None
+
+    def request_stop(self, reason: str) -> None:
+        self.should_stop = True
+        self.stop_reason = reason
+
+
+class EpochSampler(torch.utils.data.Sampler[int]):
+    """Deterministic order per (seed, epoch), sharded over ``world_size`` ranks.
+
+    The order of epoch e depends only on seed and e, so a resumed run can skip exactly the
+    samples it already saw (``start``) instead of replaying the data loader.
+    """
+
+    def __init__(self, length: int, seed: int, shuffle: bool = True, rank: int = 0, world_size: int = 1):
+        self.length, self.seed, self.shuffle = length, seed, shuffle
+        self.rank, self.world_size = rank, world_size
+        self.epoch = 0
+        self.start = 0
+        self.per_rank = math.ceil(length / world_size)
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.length, generator=generator).tolist()
+        else:
+            order = list(range(self.length))
+        order += order[: self.per_rank * self.world_size - self.length]  # equal share per rank
+        return iter(order[self.rank::self.world_size][self.start:])
+
+    def __len__(self) -> int:
+        return self.per_rank - self.start
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy
+    except ImportError:
+        return
+    numpy.random.seed(seed)
+
+
+def default_run_mapping() -> dict[str, Any]:
+    """The embedded default run (``engine train`` without a run file)."""
+    text = resources.files("engine").joinpath("default_run.toml").read_text(encoding="utf-8")
+    import tomllib
+
+    return tomllib.loads(text)
+
+
+def _plugin_objects(plugins: Any) -> dict[str, Any]:
+    if plugins is None:
+        return {}
+    if isinstance(plugins, dict):
+        return dict(plugins)
+    objects = {}
+    for plugin in plugins:
+        name = getattr(plugin, "name", None) or getattr(plugin, "__name__", None) or type(plugin).__name__
+        objects[name] = plugin
+    return objects
+
+
+class Run:
+    """A training run composed from a config and plugins.
+
+    ``config`` is a run-file path, a mapping shaped like a run file, or None (all defaults).
+    ``overrides`` are ``"section.key=value"`` strings and ``plugin_edits`` ``"+name,-name"``
+    strings, as on the command line. ``model``, ``tokenizer``, ``train_dataset``,
+    ``eval_dataset`` (a dataset or a dict of them), ``data_collator`` and ``compute_metrics``
+    replace what the config would build, as in ``transformers.Trainer``. ``plugins`` adds
+    plugin objects (modules or instances with ``@hookimpl`` functions) without entry points:
+    a list (named by their ``name`` / ``__name__``) or a {name: plugin} dict.
+    """
+
+    def __init__(
+        self,
+        config: str | Path | dict[str, Any] | None = None,
+        *,
+        model: torch.nn.Module | None = None,
+        tokenizer: Any = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        data_collator: Callable[[list[Any]], Any] | None = None,
+        compute_metrics: Callable[[Any], dict[str, float]] | None = None,
+        plugins: Any = None,
+        overrides: list[str] = (),
+        plugin_edits: list[str] = (),
+    ):
+        if isinstance(config, (str, Path)):
+            raw = cfg.read_run_file(config)
+        else:
+            raw = dict(config or {})
+        raw = cfg.apply_overrides(raw, overrides, plugin_edits)
+        objects = _plugin_objects(plugins)
+        enabled = cfg.enabled_plugins(raw)
+        raw["plugins"] = enabled + [name for name in objects if name not in enabled]
+        self.plugin_manager = PluginManager(raw["plugins"], objects)
+        self.hook = self.plugin_manager.hook
+        self.registries = self.plugin_manager.registries
+        self.config = cfg.compose(raw, self.plugin_manager.option_schemas())
+        _check_values(self.config.train, self.config.data)
+
+        self.state = TrainState()
+        self.control = Control()
+        self.model = model  # the module as built and patched (saved, inspected)
+        self.wrapped_model: torch.nn.Module | None = None  # what the strategy returned (forward)
+        self.tokenizer = tokenizer
+        self.train_dataset = train_dataset
+        self.eval_dataset = eval_dataset
+        self.data_collator = data_collator
+        self.compute_metrics = compute_metrics
+        self.strategy: Any = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: Any = None
+        self.train_loader: torch.utils.data.DataLoader | None = None
+        self.num_training_steps = 0
+        self.label_shift = False
+        self.undo_patches: list[Callable[[], None]] = []
+        self.is_setup = False
+        self.hook.configure(run=self)
+
+    # ------------------------------------------------------------------ setup
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.config.train.output_dir)
+
+    def setup(self) -> None:
+        """Build everything the loop needs, through the hooks. Idempotent."""
+        if self.is_setup:
+            return
+        from . import data as data_mod
+        from .loss import shifts_labels
+        from .models import build_model
+
+        train, data = self.config.train, self.config.data
+        self.strategy = self.hook.create_strategy(run=self)
+        self.strategy.setup()
+        set_seed(train.seed)
+        needs_text_data = self.train_dataset is None
+        if self.tokenizer is None and (needs_text_data or self.model is None):
+            self.tokenizer = data_mod.build_tokenizer(data, train.model)
+        if needs_text_data:
+            self.train_dataset, built_eval, built_collator = data_mod.build_datasets(data, self.tokenizer, train.seed)
+            self.eval_dataset = self.eval_dataset if self.eval_dataset is not None else built_eval
+            self.data_collator = self.data_collator or built_collator
+        if self.data_collator is None:
+            pad_id = getattr(self.tokenizer, "pad_token_id", None)
+            self.data_collator = data_mod.DataCollator(pad_id if pad_id is not None else 0)
+        if self.compute_metrics is None and train.compute_metrics:
+            from .util import load_callable
+
+            self.compute_metrics = load_callable(train.compute_metrics, "train.compute_metrics")
+        if self.model is None:
+            with self.strategy.model_init_context():
+                self.model = build_model(train, self.tokenizer)
+        self.label_shift = shifts_labels(self.model)
+
+        self.undo_patches = [undo for undo in self.hook.patch_model(run=self, model=self.model) if undo]
+        self.wrapped_model = self.strategy.prepare_model(self.model)
+        self.train_loader = self._train_loader()
+        self.num_training_steps = self._count_training_steps()
+        optimizer = self.hook.create_optimizer(run=self)
+        self.optimizer = self.strategy.prepare_optimizer(optimizer)
+        self.scheduler = self.hook.create_scheduler(run=self, optimizer=self.optimizer)
+        self.is_setup = True
+
+    def _train_loader(self) -> torch.utils.data.DataLoader:
+        train = self.config.train
+        dataset = self.train_dataset
+        sampler = None
+        if not isinstance(dataset, torch.utils.data.IterableDataset):
+            try:
+                length = len(dataset)
+            except TypeError:
+                raise ConfigError("train dataset has no len(); use an IterableDataset with train.max_steps") from None
+            if length == 0:
+                raise ConfigError("the train dataset is empty")
+            sampler = EpochSampler(length, train.seed, True, self.strategy.rank, self.strategy.world_size)
+        elif train.max_steps <= 0:
+            raise ConfigError("train.max_steps: an IterableDataset has no length; set train.max_steps > 0")
+        return torch.utils.data.DataLoader(
+            dataset, batch_size=train.per_device_train_batch_size, sampler=sampler,
+            collate_fn=self.data_collator, num_workers=train.dataloader_num_workers,
+            drop_last=train.dataloader_drop_last, pin_memory=self.strategy.device.type == "cuda",
+        )
+
+    def _count_training_steps(self) -> int:
+        train = self.config.train
+        if isinstance(self.train_dataset, torch.utils.data.IterableDataset):
+            self.state.steps_per_epoch = 0
+            return train.max_steps
+        if len(self.train_loader) == 0:
+            raise ConfigError("train.per_device_train_batch_size: larger than the dataset with "
+                              "dataloader_drop_last = true; no batch left")
+        self.state.steps_per_epoch = math.ceil(len(self.train_loader) / train.gradient_accumulation_steps)
+        if train.max_steps > 0:
+            return train.max_steps
+        return math.ceil(train.num_train_epochs * self.state.steps_per_epoch)
+
+    @property
+    def num_warmup_steps(self) -> int:
+        train = self.config.train
+        if train.warmup_steps > 0:
+            return train.warmup_steps
+        return math.ceil(train.warmup_ratio * self.num_training_steps)
+
+    # ------------------------------------------------------------------ running
+
+    def train(self) -> dict[str, float]:
+        """Set up (if needed), train, and return the final metrics."""
+        from .loop import train
+
+        return train(self)
+
+    def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Evaluate on ``eval_dataset`` (default: the run's eval data) and return the metrics."""
+        from .loop import evaluate
+
+        self.setup()
+        return evaluate(self, eval_dataset, metric_key_prefix)
+
+    def plan(self) -> str:
+        """The composed run as text: plugins, hook call order, the full config."""
+        from .plan import render_plan
+
+        return render_plan(self)
+
+
+def _check_values(train: cfg.TrainConfig, data: cfg.DataConfig) -> None:
+    """Range checks that the type system cannot express."""
+    positive = ("per_device_train_batch_size", "per_device_eval_batch_size",
+                "gradient_accumulation_steps", "logging_steps", "save_steps")
+    for name in positive:
+        if getattr(train, name) < 1:
+            raise ConfigError(f"train.{name}: expected int >= 1, got {getattr(train, name)}")
+    if train.eval_steps is not None and train.eval_steps < 1:
+        raise ConfigError(f"train.eval_steps: expected int >= 1, got {train.eval_steps}")
+    if train.max_steps <= 0 and train.num_train_epochs <= 0:
+        raise ConfigError("train.max_steps / train.num_train_epochs: set max_steps > 0 or num_train_epochs > 0")
+    if train.learning_rate < 0:
+        raise ConfigError(f"train.learning_rate: expected float >= 0, got {train.learning_rate}")
+    if not 0 <= train.warmup_ratio <= 1:
+        raise ConfigError(f"train.warmup_ratio: expected float in [0, 1], got {train.warmup_ratio}")
+    if train.max_grad_norm < 0:
+        raise ConfigError(f"train.max_grad_norm: expected float >= 0 (0 disables), got {train.max_grad_norm}")
+    if not 0 <= train.label_smoothing_factor < 1:
+        raise ConfigError(f"train.label_smoothing_factor: expected float in [0, 1), got {train.label_smoothing_factor}")
+    if train.bf16 and train.fp16:
+        raise ConfigError("train.bf16 and train.fp16 are both true; pick one")
+    if data.max_length < 2:
+        raise ConfigError(f"data.max_length: expected int >= 2, got {data.max_length}")

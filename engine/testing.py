@@ -1,0 +1,125 @@
+"""Helpers for plugin authors' tests: a tiny model and dataset, short runs, a hook recorder.
+
+Example (a whole plugin test)::
+
+    from engine.testing import HookRecorder, run_steps
+
+    def test_my_plugin_runs(tmp_path):
+        recorder = HookRecorder()
+        run = run_steps(3, plugins=["myplugin"], objects=[recorder], output_dir=tmp_path)
+        assert recorder.count("on_step_end") == 3
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import hookimpl, hookspecs
+from .run import Run
+
+HOOK_NAMES = tuple(name for name, value in vars(hookspecs).items()
+                   if callable(value) and hasattr(value, "engine_spec"))
+
+
+def tiny_model(vocab_size: int = 128, seed: int = 0, **config: Any) -> torch.nn.Module:
+    """A randomly initialised 2-layer Llama with hidden size 32 (about 40k parameters)."""
+    import transformers
+
+    values = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    values.update(config)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**values))
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Random token rows ``{"input_ids", "labels"}``; ``pad_to`` varies row lengths for padding tests."""
+
+    def __init__(self, rows: torch.Tensor, lengths: list[int] | None = None):
+        self.rows = rows
+        self.lengths = lengths
+
+    def __len__(self) -> int:
+        return self.rows.shape[0]
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        row = self.rows[index] if self.lengths is None else self.rows[index, : self.lengths[index]]
+        return {"input_ids": row, "labels": row}
+
+
+def tiny_dataset(size: int = 64, seq_len: int = 16, vocab_size: int = 128, seed: int = 0,
+                 ragged: bool = False) -> TokenDataset:
+    """``size`` rows of ``seq_len`` tokens with a learnable pattern (each token predicts the next).
+
+    ``ragged=True`` gives rows of different lengths, so batches need padding.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, vocab_size, (size, 1), generator=generator)
+    rows = (starts + torch.arange(seq_len)) % vocab_size
+    lengths = None
+    if ragged:
+        lengths = torch.randint(seq_len // 2, seq_len + 1, (size,), generator=generator).tolist()
+    return TokenDataset(rows, lengths)
+
+
+def run_steps(steps: int = 3, plugins: list[str] = (), *, objects: list[Any] = (),
+              output_dir: str | Path | None = None, train: dict[str, Any] | None = None,
+              sections: dict[str, dict[str, Any]] | None = None, model: torch.nn.Module | None = None,
+              dataset: Any = None, **run_kwargs: Any) -> Run:
+    """Train ``steps`` optimizer steps of the tiny model on the tiny dataset and return the run.
+
+    ``plugins`` are entry-point names, ``objects`` plugin objects, ``train`` extra ``[train]``
+    keys, ``sections`` the enabled plugins' sections. Other keywords go to :class:`Run`.
+    """
+    from .data import DataCollator
+
+    config: dict[str, Any] = {
+        "plugins": list(plugins),
+        "train": {"max_steps": steps, "per_device_train_batch_size": 4, "learning_rate": 1e-2,
+                  "logging_steps": 1, "save_strategy": "no", "disable_tqdm": True,
+                  "output_dir": str(output_dir or tempfile.mkdtemp(prefix="engine-test-")),
+                  **(train or {})},
+        **(sections or {}),
+    }
+    run = Run(config, model=model if model is not None else tiny_model(),
+              train_dataset=dataset if dataset is not None else tiny_dataset(),
+              data_collator=run_kwargs.pop("data_collator", DataCollator(0)),
+              plugins=list(objects), **run_kwargs)
+    run.train()
+    return run
+
+
+class HookRecorder:
+    """A plugin implementing every hook: records ``(hook name, arguments)`` and returns None.
+
+    Pass it in ``plugins=[HookRecorder()]`` (or ``objects=`` of :func:`run_steps`).
+    """
+
+    name = "recorder"
+
+    def __init__(self):
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        for hook_name in HOOK_NAMES:
+            setattr(self, hook_name, self._recording(hook_name))
+
+    def _recording(self, hook_name: str) -> Any:
+        spec = getattr(hookspecs, hook_name)
+
+        def record(*args: Any) -> None:
+            self.calls.append((hook_name, dict(zip(arg_names, args))))
+
+        # pluggy reads the argument names through __wrapped__, so the recorder takes exactly
+        # the spec's arguments without one hand-written method per hook.
+        arg_names = spec.__code__.co_varnames[: spec.__code__.co_argcount]
+        record.__wrapped__ = spec
+        return hookimpl(record)
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.calls]
+
+    def count(self, hook_name: str) -> int:
+        return sum(1 for name, _ in self.calls if name == hook_name)

@@ -1,0 +1,49 @@
+"""Small helpers shared by the core and plugins."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import ConfigError, MissingDependencyError
+
+
+def is_callable_spec(spec: str) -> bool:
+    """True for ``"package.module:function"`` (and not an existing path that has a colon)."""
+    return ":" in spec and not Path(spec).exists()
+
+
+def load_callable(spec: str, key: str) -> Callable[..., Any]:
+    """Import ``"package.module:function"`` named by config key ``key``.
+
+    A malformed spec, a missing module or a missing attribute is a :class:`ConfigError` that
+    names ``key`` and the spec.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{key}: expected 'package.module:function', got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{key}: cannot import module {module_name!r} ({exc})") from exc
+    target: Any = module
+    for part in attr.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise ConfigError(f"{key}: module {module_name!r} has no attribute {attr!r}") from None
+    if not callable(target):
+        raise ConfigError(f"{key}: {spec!r} is not callable")
+    return target
+
+
+def require(module: str, package: str | None = None, feature: str = "") -> Any:
+    """Import ``module`` or raise :class:`MissingDependencyError` naming the pip package."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        what = f" for {feature}" if feature else ""
+        raise MissingDependencyError(
+            f"package {package or module!r} is needed{what}: pip install {package or module}"
+        ) from exc
