@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 PREFIX = "checkpoint-"
 MARKER = "checkpoint_complete"
 WEIGHTS = "model.safetensors"
+PROGRESS_FIELDS = ("global_step", "epoch", "num_input_tokens_seen", "log_history", "best_metric",
+                   "best_model_checkpoint")
 REQUIRED = ("trainer_state.json", "optimizer.pt", "scheduler.pt", "engine_state.pt")
 
 
@@ -194,9 +196,8 @@ def load(run: Run, path: str | Path) -> None:
     rng_file = _rng_file(run.strategy.rank)
     if (path / rng_file).is_file():
         _set_rng_state(_load(path, rng_file))
-    fields = {f.name for f in dataclasses.fields(run.state)}
-    for key, value in trainer_state.items():
-        if key in fields:
-            setattr(run.state, key, value)
-    for plugin, plugin_state in engine_state["plugins"].items():
-        run.plugin_manager.call_plugin("load_checkpoint_state", plugin, run=run, state=plugin_state)
+    for key in PROGRESS_FIELDS:  # max_steps and steps_per_epoch belong to the resumed run's config
+        setattr(run.state, key, trainer_state[key])
+    saved = engine_state["plugins"]
+    for plugin in run.plugin_manager.call_order("load_checkpoint_state"):
+        run.plugin_manager.call_plugin("load_checkpoint_state", plugin, run=run, state=saved.get(plugin, {}))

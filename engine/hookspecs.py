@@ -45,6 +45,16 @@ if TYPE_CHECKING:  # only for annotations: importing the specs must stay cheap
 
 hookspec = pluggy.HookspecMarker("engine")
 
+# Hooks the engine calls once per plugin, filing each result under the plugin's name.
+PER_PLUGIN_HOOKS = ("plugin_options", "checkpoint_state", "load_checkpoint_state")
+
+
+def combine_kind(name: str) -> str:
+    """How the results of hook ``name`` combine: per plugin, firstresult or broadcast."""
+    if name in PER_PLUGIN_HOOKS:
+        return "per plugin"
+    return "firstresult" if globals()[name].engine_spec.get("firstresult") else "broadcast"
+
 # ---------------------------------------------------------------------------- composition
 
 
@@ -359,7 +369,7 @@ def load_checkpoint_state(run: Run, state: dict[str, Any]) -> None:
 
     **When**: once, when resuming, after model, optimizer and scheduler are restored.
     **Combine**: per plugin: ``state`` is what this plugin's :func:`checkpoint_state`
-    returned.
+    returned ({} if it returned None).
     """
 
 

@@ -6,6 +6,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from . import __version__
+from .hookspecs import combine_kind
 from .config import DataConfig, TrainConfig, to_toml
 from .plugins import BUILTIN_PREFIX
 
@@ -40,11 +41,7 @@ def render_plan(run: Run) -> str:
     lines += ["", "hooks (implementations in call order; firstresult: the first non-None answer wins):"]
     for hook_name in pm.hook_names():
         order = pm.call_order(hook_name)
-        spec = getattr(pm.hook, hook_name).spec
-        firstresult = spec.opts.get("firstresult", False)
-        kind = "firstresult" if firstresult else "broadcast"
-        if hook_name in ("plugin_options", "checkpoint_state", "load_checkpoint_state"):
-            kind = "per plugin"
+        kind = combine_kind(hook_name)
         lines.append(f"  {hook_name:<24} {kind:<12} {', '.join(order) or '(none)'}")
 
     lines += ["", "registries:"]

@@ -216,8 +216,8 @@ class PluginManager:
     def _fill_registry(self, kind: str) -> Registry:
         registry = Registry(kind)
         hook_name = REGISTRIES[kind][0]
-        # builtins first so that enabled plugins replace their names
-        impls = sorted(getattr(self.pm.hook, hook_name).get_hookimpls(),
+        # call order (the run's plugin order), builtins first so that enabled plugins replace their names
+        impls = sorted(reversed(getattr(self.pm.hook, hook_name).get_hookimpls()),
                        key=lambda impl: not impl.plugin_name.startswith(BUILTIN_PREFIX))
         for impl in impls:
             self._call_impl(impl, {"register": registry.callback(impl.plugin_name)})

@@ -1,0 +1,35 @@
+"""Write docs/hooks.md, the hook reference, from the docstrings in engine/hookspecs.py.
+
+    python docs/generate_hooks.py          # rewrite docs/hooks.md
+tests/test_contract.py fails when the file is out of date.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from pathlib import Path
+
+OUTPUT = Path(__file__).with_name("hooks.md")
+
+
+def render() -> str:
+    from engine import hookspecs
+
+    lines = ["# Hook reference", "",
+             "Generated from `engine/hookspecs.py` by `python docs/generate_hooks.py`; do not edit.", "",
+             inspect.cleandoc(hookspecs.__doc__), ""]
+    for name, function in vars(hookspecs).items():
+        opts = getattr(function, "engine_spec", None)
+        if opts is None:
+            continue
+        signature = str(inspect.signature(function)).replace("'", "")
+        kind = hookspecs.combine_kind(name)
+        lines += [f"## `{name}{signature}`", "", f"*{kind}*", "", inspect.cleandoc(function.__doc__), ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    OUTPUT.write_text(render())
+    print(f"wrote {OUTPUT}")

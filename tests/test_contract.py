@@ -1,0 +1,81 @@
+"""The plugin contract: every hook is documented, called by the loop, tested and in the docs."""
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from engine import Run, hookspecs
+from engine.data import DataCollator
+from engine.testing import HOOK_NAMES, HookRecorder, run_steps, tiny_dataset, tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_hook_names_are_the_specs():
+    assert len(HOOK_NAMES) >= 20
+    assert set(hookspecs.PER_PLUGIN_HOOKS) <= set(HOOK_NAMES)
+
+
+@pytest.mark.parametrize("name", HOOK_NAMES)
+def test_every_hook_documents_when_and_how_results_combine(name):
+    doc = getattr(hookspecs, name).__doc__
+    assert doc and "**When**" in doc and "**Combine**" in doc, name
+
+
+def test_every_hook_is_called_by_a_run(tmp_path):
+    """One run that evaluates, saves and resumes fires every hook the spec declares."""
+    first = HookRecorder()
+    run_steps(2, objects=[first], output_dir=tmp_path, eval_dataset=tiny_dataset(4),
+              train={"eval_strategy": "steps", "eval_steps": 1, "save_strategy": "steps", "save_steps": 2})
+    resumed = HookRecorder()
+    run_steps(3, objects=[resumed], output_dir=tmp_path, train={"resume_from_checkpoint": True})
+    called = set(first.names()) | set(resumed.names())
+    assert sorted(set(HOOK_NAMES) - called) == []
+    assert resumed.count("load_checkpoint_state") == 1 and resumed.count("training_step") == 1
+
+
+def test_hooks_fire_in_the_documented_order(tmp_path):
+    recorder = HookRecorder()
+    run_steps(2, objects=[recorder], output_dir=tmp_path, train={"logging_steps": 2})
+    names = [n for n in recorder.names() if not n.startswith("register_")]
+    assert names[:3] == ["plugin_options", "configure", "create_strategy"]
+    assert names.index("patch_model") < names.index("create_optimizer") < names.index("create_scheduler")
+    start = names.index("on_train_start")
+    assert names[start - 1] == "log_hyperparams"
+    assert names[start:start + 4] == ["on_train_start", "on_train_mode", "on_epoch_start", "training_step"]
+    step = names.index("training_step")
+    assert names[step:step + 3] == ["training_step", "compute_loss", "on_step_end"]
+    assert names[-5:] == ["on_epoch_end", "log_metrics", "on_eval_mode", "on_train_end", "log_finish"]
+
+
+def test_recorder_sees_hook_arguments(tmp_path):
+    recorder = HookRecorder()
+    run = run_steps(1, objects=[recorder], output_dir=tmp_path)
+    (_, args), = [c for c in recorder.calls if c[0] == "training_step"]
+    assert args["run"] is run and len(args["batches"]) == 1
+    assert int(args["num_items_in_batch"]) == 4 * 15  # 4 rows of 16 tokens, shifted
+
+
+def _test_sources() -> str:
+    sources = []
+    for path in [*ROOT.glob("tests/test_*.py"), *ROOT.glob("plugins/*/tests/test_*.py"),
+                 *ROOT.glob("contrib/*/tests/test_*.py")]:
+        if path.name != "test_contract.py":
+            sources.append(path.read_text())
+    return "\n".join(sources)
+
+
+@pytest.mark.parametrize("name", HOOK_NAMES)
+def test_every_hook_has_a_test(name):
+    """A hook is exercised by name in some test beyond this contract file (datasette's rule)."""
+    assert re.search(rf"\b{name}\b", _test_sources()), f"no test mentions hook {name!r}"
+
+
+def test_hook_reference_is_up_to_date():
+    spec = importlib.util.spec_from_file_location("generate_hooks", ROOT / "docs" / "generate_hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert (ROOT / "docs" / "hooks.md").read_text() == module.render(), \
+        "docs/hooks.md is stale: run python docs/generate_hooks.py"

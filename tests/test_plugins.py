@@ -1,0 +1,190 @@
+"""Composition from plugin names: discovery, loading, registries, error messages."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine import Run, hookimpl
+from engine.errors import ConfigError, PluginError
+from engine.plugins import PluginManager, installed_plugins
+from engine.testing import run_steps, tiny_dataset, tiny_model
+
+OPTIMIZER_PLUGIN = """
+    import torch
+    from engine import hookimpl
+
+    @hookimpl
+    def register_optimizers(register):
+        register("plain_sgd", lambda run, params: torch.optim.SGD(params, lr=run.config.train.learning_rate))
+"""
+
+
+def test_listing_reads_metadata_without_importing(entry_point_plugin):
+    module = entry_point_plugin("listed", OPTIMIZER_PLUGIN)
+    found = installed_plugins()["listed"]
+    assert (found.distribution, found.version) == ("engine-test-listed", "0.1")
+    assert module not in sys.modules
+
+
+def test_enabled_plugin_is_used_and_others_are_never_imported(entry_point_plugin, tmp_path):
+    used = entry_point_plugin("used", OPTIMIZER_PLUGIN)
+    unused = entry_point_plugin("unused", OPTIMIZER_PLUGIN.replace("plain_sgd", "other_sgd"))
+    run = run_steps(2, plugins=["used"], output_dir=tmp_path, train={"optim": "plain_sgd"})
+    assert type(run.optimizer) is torch.optim.SGD
+    assert run.registries["optimizer"].get("plain_sgd").plugin == "used"
+    assert used in sys.modules and unused not in sys.modules
+
+
+def test_unknown_plugin_lists_installed_and_first_party_extra(entry_point_plugin):
+    entry_point_plugin("present", OPTIMIZER_PLUGIN)
+    with pytest.raises(PluginError) as err:
+        PluginManager(["presnt"])
+    assert "unknown plugin 'presnt'; did you mean 'present'?" in str(err.value)
+    assert "installed plugins: " in str(err.value) and "present" in str(err.value)
+    with pytest.raises(PluginError, match=r"unknown plugin 'galore'; it comes from engine-galore: "
+                                          r"pip install 'engine\[galore\]'"):
+        PluginManager(["galore"])
+
+
+def test_plugin_that_fails_to_import_is_fatal_and_names_the_module(entry_point_plugin):
+    entry_point_plugin("broken", "import missing_dependency_xyz\n")
+    with pytest.raises(PluginError, match=r"plugin 'broken' \(engine-test-broken\) failed to import: "
+                                          r"missing module 'missing_dependency_xyz'"):
+        PluginManager(["broken"])
+
+
+def test_duplicate_registered_name_names_both_plugins(entry_point_plugin):
+    entry_point_plugin("first", OPTIMIZER_PLUGIN)
+    entry_point_plugin("second", OPTIMIZER_PLUGIN)
+    with pytest.raises(PluginError, match="optimizer 'plain_sgd' is registered by both plugin 'first' "
+                                          "and plugin 'second'; disable one"):
+        PluginManager(["first", "second"])
+
+
+def test_enabled_plugin_replaces_a_builtin_name(tmp_path):
+    class FastSGD:
+        @hookimpl
+        def register_optimizers(self, register):
+            register("adamw_torch", lambda run, params: torch.optim.SGD(params, lr=0.1))
+
+    run = run_steps(1, objects=[FastSGD()], output_dir=tmp_path)
+    assert type(run.optimizer) is torch.optim.SGD
+    assert run.registries["optimizer"].get("adamw_torch").plugin == "FastSGD"
+
+
+def test_unknown_optimizer_lists_names_and_the_extra_that_provides_it():
+    with pytest.raises(ConfigError) as err:
+        Run({"train": {"optim": "galore_adamw"}})
+    assert str(err.value).startswith(
+        "train.optim: unknown optimizer 'galore_adamw'; it comes from engine-galore: "
+        "pip install 'engine[galore]' and add 'galore' to plugins; available: adafactor, adagrad, adamw_torch")
+    with pytest.raises(ConfigError) as err:
+        Run({"train": {"optim": "adamw_torhc"}})
+    message = str(err.value)
+    assert "did you mean 'adamw_torch'?" in message
+    assert "more from bnb (pip install 'engine[bnb]')" in message
+
+
+def test_unknown_scheduler_and_strategy_are_refused_at_configure():
+    with pytest.raises(ConfigError, match="train.lr_scheduler_type: unknown scheduler 'cosin'; did you mean 'cosine'"):
+        Run({"train": {"lr_scheduler_type": "cosin"}})
+    with pytest.raises(ConfigError, match=r"train.strategy: unknown strategy 'ddp'; it comes from engine-ddp"):
+        Run({"train": {"strategy": "ddp"}})
+
+
+def test_bad_optim_args_are_refused_before_the_model_loads():
+    with pytest.raises(ConfigError, match="train.optim_args: sgd takes momentum, dampening, weight_decay, "
+                                          "nesterov; got 'betas'"):
+        Run({"train": {"optim": "sgd", "optim_args": "betas=0.9"}})
+    with pytest.raises(ConfigError, match="train.optim_args: expected 'key=value,key=value'"):
+        Run({"train": {"optim": "sgd", "optim_args": "momentum"}})
+    with pytest.raises(ConfigError, match="train.optim_args: adamw_torch takes no optim_args"):
+        Run({"train": {"optim_args": "momentum=0.9"}})
+
+
+def test_optim_args_reach_the_optimizer(tmp_path):
+    run = run_steps(1, output_dir=tmp_path, train={"optim": "sgd", "optim_args": "momentum=0.9,nesterov=True"})
+    group = run.optimizer.param_groups[0]
+    assert group["momentum"] == 0.9 and group["nesterov"] is True
+
+
+def test_hook_name_typo_is_refused_with_suggestion():
+    class Typo:
+        @hookimpl
+        def on_step_edn(self, run):
+            pass
+
+    with pytest.raises(PluginError, match="plugin 'Typo' implements unknown hook 'on_step_edn'; "
+                                          "did you mean 'on_step_end'"):
+        Run({}, plugins=[Typo()])
+
+
+def test_wrong_hook_argument_is_refused():
+    class WrongArgs:
+        @hookimpl
+        def on_step_end(self, run, step):
+            pass
+
+    with pytest.raises(PluginError, match="plugin 'WrongArgs'.*step"):
+        Run({}, plugins=[WrongArgs()])
+
+
+def test_plugins_are_called_in_list_order_before_builtins(tmp_path):
+    calls = []
+
+    def plugin(name):
+        class P:
+            @hookimpl
+            def on_train_start(self, run):
+                calls.append(name)
+
+            @hookimpl
+            def compute_loss(self, run, model, batch, num_items_in_batch):
+                calls.append(f"loss:{name}")
+                return None if name == "a" else model(**batch).loss
+
+        P.name = name
+        return P()
+
+    run = run_steps(1, objects=[plugin("a"), plugin("b")], output_dir=tmp_path)
+    assert calls[0:1] == ["a"] and calls[1] == "b"
+    assert calls[2:4] == ["loss:a", "loss:b"]  # a passes (None), b answers, builtin never asked
+    order = run.plugin_manager.call_order("compute_loss")
+    assert order == ["a", "b", "builtin.loss"]
+
+
+def test_two_strategy_plugins_are_refused_under_auto():
+    from engine.strategy import Strategy
+
+    def offering(name):
+        class P:
+            @hookimpl
+            def register_strategies(self, register):
+                register(name, Strategy)
+
+        P.name = f"plugin_{name}"
+        return P()
+
+    with pytest.raises(ConfigError, match=r"train.strategy: enabled plugins offer several strategies "
+                                          r"\(one \(plugin plugin_one\), two \(plugin plugin_two\)\)"):
+        Run({}, plugins=[offering("one"), offering("two")])
+    run = Run({"train": {"strategy": "two"}}, plugins=[offering("one"), offering("two")])
+    assert "selected 'two' from plugin_two" in run.plan()
+
+
+def test_plan_shows_order_answering_plugin_and_full_config(entry_point_plugin):
+    entry_point_plugin("planned", OPTIMIZER_PLUGIN)
+    text = Run({"plugins": ["planned"], "train": {"optim": "plain_sgd"}}).plan()
+    assert "planned                  engine-test-planned 0.1" in text
+    assert "optimizer  selected 'plain_sgd' from planned" in text
+    assert "register_optimizers      broadcast    planned, builtin.optimizers" in text
+    assert 'lr_scheduler_type = "linear"' in text  # defaults filled in
+
+
+def test_import_engine_stays_light():
+    code = ("import sys, engine, engine.cli; engine.cli.build_parser(); "
+            "print(sorted(m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
