@@ -251,7 +251,8 @@ def training_step(run: Run, batches: list[dict[str, Any]], num_items_in_batch: A
     """Run one optimizer step over ``batches`` (the micro-batches of one accumulation window).
 
     **When**: once per optimizer step, in train mode. ``num_items_in_batch`` is the number
-    of label tokens in the whole window (a tensor) or None when batches carry no labels.
+    of label tokens in the whole window (a tensor), or None when batches carry no labels or
+    the window is a single micro-batch (whose mean loss is then the window's mean).
     **Combine**: firstresult; wrappers allowed. The builtin does, per micro-batch,
     ``compute_loss`` + ``run.strategy.backward``, then clipping, ``optimizer.step()`` and
     ``zero_grad``; the scheduler is stepped by the loop afterwards. A plugin that fuses
@@ -270,6 +271,11 @@ def compute_loss(run: Run, model: torch.nn.Module, batch: dict[str, Any], num_it
     ``num_items_in_batch`` when it is given (so accumulated micro-batches add up to the mean of
     the window), else the mean over this batch. The builtin uses the model's own loss, or
     token cross-entropy with ``label_smoothing_factor``.
+
+    Helpers: ``run.label_shift`` says whether labels are unshifted (HF causal LMs: position i
+    predicts label i+1); ``engine.loss`` has ``IGNORE_INDEX``, ``count_items(labels, shift)``
+    and ``logits_of(outputs)``. ``model.training`` tells a training batch from an evaluation
+    one.
 
     Example::
 

@@ -61,7 +61,7 @@ import torch
 
 from . import checkpoint
 from .errors import ConfigError
-from .loss import count_items
+from .loss import count_items, logits_of
 
 if TYPE_CHECKING:
     from .run import Run
@@ -114,11 +114,10 @@ def train(run: Run) -> dict[str, float]:
                 window = [strategy.to_device(b) for b in itertools.islice(batches, accumulation)]
                 if not window:
                     break
+                # a lone micro-batch's mean loss is already the window's mean: no count needed
                 num_items = None
-                if "labels" in window[0]:
-                    num_items = count_items(window[0]["labels"], shift)
-                    for batch in window[1:]:
-                        num_items = num_items + count_items(batch["labels"], shift)
+                if len(window) > 1 and "labels" in window[0]:
+                    num_items = sum(count_items(batch["labels"], shift) for batch in window)
                 logged.tokens += sum(b["input_ids"].numel() for b in window if "input_ids" in b)
 
                 lr = optimizer.param_groups[0]["lr"]
@@ -275,7 +274,7 @@ def _evaluate_one(run: Run, dataset: Any, prefix: str) -> dict[str, float]:
             weight_sum += float(weight)
             samples += len(next(iter(batch.values())))
             if want_predictions:
-                predictions.append(_logits(outputs).detach().float().cpu())
+                predictions.append(logits_of(outputs).detach().float().cpu())
                 if "labels" in batch:
                     label_ids.append(batch["labels"].cpu())
     loss_sum = strategy.reduce(loss_sum.to(strategy.device), "sum").cpu()
@@ -306,19 +305,6 @@ class EvalPrediction(tuple):
     @property
     def label_ids(self) -> Any:
         return self[1]
-
-
-def _logits(outputs: Any) -> torch.Tensor:
-    if isinstance(outputs, torch.Tensor):
-        return outputs
-    logits = getattr(outputs, "logits", None)
-    if logits is None and isinstance(outputs, (tuple, list)):
-        logits = outputs[0]
-    if logits is None and isinstance(outputs, dict):
-        logits = outputs.get("logits")
-    if logits is None:
-        raise ConfigError("compute_metrics needs logits: the model output has no 'logits'")
-    return logits
 
 
 def _concat_padded(tensors: list[torch.Tensor]) -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 IGNORE_INDEX = -100
@@ -23,3 +25,15 @@ def count_items(labels: torch.Tensor, shift: bool) -> torch.Tensor:
     if shift:
         labels = labels[..., 1:]
     return labels.ne(IGNORE_INDEX).sum()
+
+
+def logits_of(outputs: Any) -> torch.Tensor:
+    """The logits in a model's output: a tensor, an object or dict with ``logits``, or a tuple."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    logits = outputs.get("logits") if isinstance(outputs, dict) else getattr(outputs, "logits", None)
+    if logits is None and isinstance(outputs, (tuple, list)):
+        logits = outputs[0]
+    if logits is None:
+        raise TypeError(f"cannot find logits in a model output of type {type(outputs).__name__}")
+    return logits

@@ -52,10 +52,10 @@ def test_hooks_fire_in_the_documented_order(tmp_path):
 
 def test_recorder_sees_hook_arguments(tmp_path):
     recorder = HookRecorder()
-    run = run_steps(1, objects=[recorder], output_dir=tmp_path)
+    run = run_steps(1, objects=[recorder], output_dir=tmp_path, train={"gradient_accumulation_steps": 2})
     (_, args), = [c for c in recorder.calls if c[0] == "training_step"]
-    assert args["run"] is run and len(args["batches"]) == 1
-    assert int(args["num_items_in_batch"]) == 4 * 15  # 4 rows of 16 tokens, shifted
+    assert args["run"] is run and len(args["batches"]) == 2
+    assert int(args["num_items_in_batch"]) == 2 * 4 * 15  # 2 micro-batches, 4 rows of 16 tokens, shifted
 
 
 def _test_sources() -> str:

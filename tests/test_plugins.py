@@ -188,3 +188,19 @@ def test_import_engine_stays_light():
             "print(sorted(m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_third_party_package_from_contrib_registers_an_optimizer_and_a_loss(tmp_path):
+    """contrib/lion is installed from its own pyproject (see dev.sh): a real entry point."""
+    assert "lion" in installed_plugins(), "install it: pip install -e contrib/lion"
+    run = run_steps(15, plugins=["lion"], output_dir=tmp_path, sections={"lion": {"z_loss": 1e-3}},
+                    train={"optim": "lion", "learning_rate": 3e-3})
+    assert type(run.optimizer).__name__ == "Lion" and type(run.optimizer).__module__ == "engine_lion"
+    assert run.plugin_manager.call_order("compute_loss")[0] == "lion"
+    batch = run.data_collator([run.train_dataset[i] for i in range(4)])
+    with torch.no_grad():
+        with_z = run.hook.compute_loss(run=run, model=run.model, batch=batch, num_items_in_batch=None)
+        plain = run.model(**batch).loss
+    assert with_z > plain  # the z-loss term is added by the plugin's loss
+    losses = [e["loss"] for e in run.state.log_history if "loss" in e]
+    assert losses[-1] < losses[0]

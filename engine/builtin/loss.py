@@ -13,7 +13,7 @@ import inspect
 import torch
 
 from engine import hookimpl
-from engine.loss import IGNORE_INDEX, count_items
+from engine.loss import IGNORE_INDEX, count_items, logits_of
 
 
 @functools.lru_cache(maxsize=None)
@@ -22,17 +22,10 @@ def _accepts_labels(model_type: type) -> bool:
     return any(p.name == "labels" or p.kind is p.VAR_KEYWORD for p in params)
 
 
-def _output(outputs, name: str):
-    if isinstance(outputs, dict) or hasattr(outputs, "keys"):
-        return outputs.get(name)
-    return getattr(outputs, name, None)
-
-
-def _logits(outputs):
+def _loss_of(outputs):
     if isinstance(outputs, torch.Tensor):
-        return outputs
-    logits = _output(outputs, "logits")
-    return logits if logits is not None else outputs[0]
+        return None
+    return outputs.get("loss") if isinstance(outputs, dict) else getattr(outputs, "loss", None)
 
 
 @hookimpl(trylast=True)
@@ -42,7 +35,7 @@ def compute_loss(run, model, batch, num_items_in_batch):
     own_loss = labels is not None and smoothing == 0 and _accepts_labels(type(run.model))
     if own_loss:
         outputs = model(**batch)
-        loss = _output(outputs, "loss") if not isinstance(outputs, torch.Tensor) else None
+        loss = _loss_of(outputs)
         if loss is not None:
             if num_items_in_batch is None:
                 return loss
@@ -53,7 +46,7 @@ def compute_loss(run, model, batch, num_items_in_batch):
     if labels is None:
         raise ValueError("the batch has no 'labels' and the model returned no loss; "
                          "add labels to the data or a loss plugin")
-    logits = _logits(outputs)
+    logits = logits_of(outputs)
     if run.label_shift:
         logits, labels = logits[..., :-1, :], labels[..., 1:]
     loss = torch.nn.functional.cross_entropy(

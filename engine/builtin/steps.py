@@ -21,7 +21,7 @@ def training_step(run, batches, num_items_in_batch):
         with strategy.no_sync(model) if index < last else _NO_CONTEXT:
             with strategy.autocast():
                 loss = compute_loss(run=run, model=model, batch=batch, num_items_in_batch=num_items_in_batch)
-            if num_items_in_batch is None:
+            if num_items_in_batch is None and len(batches) > 1:
                 loss = loss / len(batches)
             strategy.backward(loss)
         total = loss.detach() if total is None else total + loss.detach()

@@ -1,0 +1,100 @@
+"""The engine command, run as a real process."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def engine(*args, cwd=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout)
+
+
+def _assert_one_line_error(result, fragment):
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("engine: error: "), result.stderr
+    assert fragment in lines[0]
+
+
+@pytest.fixture
+def run_file(tmp_path):
+    def write(text):
+        path = tmp_path / "run.toml"
+        path.write_text(text)
+        return str(path)
+
+    return write
+
+
+def test_missing_run_file(tmp_path):
+    _assert_one_line_error(engine("train", str(tmp_path / "absent.toml")), "run file not found")
+
+
+def test_toml_syntax_error(run_file):
+    _assert_one_line_error(engine("train", run_file("[train\n")), "TOML syntax error")
+
+
+def test_unknown_plugin(run_file):
+    _assert_one_line_error(engine("plan", run_file('plugins = ["galore"]\n')),
+                           "unknown plugin 'galore'; it comes from engine-galore: pip install 'engine[galore]'")
+
+
+def test_unknown_optimizer(run_file):
+    _assert_one_line_error(engine("train", run_file('[train]\noptim = "adamw_8bit"\n')),
+                           "train.optim: unknown optimizer 'adamw_8bit'; it comes from engine-bnb")
+
+
+def test_wrong_type(run_file):
+    _assert_one_line_error(engine("train", run_file('[train]\nlearning_rate = "high"\n')),
+                           "train.learning_rate: expected float, got str 'high'")
+
+
+def test_unknown_key_from_the_command_line():
+    _assert_one_line_error(engine("train", "--set", "train.max_step=3"),
+                           "train.max_step: unknown key; did you mean 'max_steps'?")
+
+
+def test_bad_model_name_is_refused_before_training(run_file):
+    _assert_one_line_error(engine("train", run_file('[train]\nmodel = "gpt-17"\n')),
+                           "train.model: 'gpt-17' is not a folder")
+
+
+def test_argparse_errors_exit_2():
+    result = engine("fly")
+    assert result.returncode == 2 and "invalid choice" in result.stderr
+
+
+def test_version_and_help_work_without_heavy_imports():
+    assert engine("--version").stdout.startswith("engine ")
+    assert "plan" in engine("--help").stdout
+
+
+def test_plan_shows_overrides_and_defaults():
+    result = engine("plan", "--set", "train.learning_rate=1e-4", "--set", "data.max_length=32")
+    assert result.returncode == 0, result.stderr
+    assert "learning_rate = 0.0001" in result.stdout and "max_length = 32" in result.stdout
+    assert "compute_loss             firstresult  builtin.loss" in result.stdout
+
+
+def test_plugins_lists_builtins_and_hooks():
+    result = engine("plugins")
+    assert result.returncode == 0, result.stderr
+    assert "optimizer  adafactor, adagrad, adamw_torch, adamw_torch_fused, rmsprop, sgd" in result.stdout
+    assert "hooks: plugin_options, register_optimizers" in result.stdout
+
+
+def test_default_run_trains_and_the_loss_falls(tmp_path):
+    """The embedded default run (shortened): tiny Llama, tokenizer trained on Python's docstrings."""
+    result = engine("train", "--set", f"train.output_dir={tmp_path}", "--set", "train.max_steps=120",
+                    "--set", "train.eval_steps=60")
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    assert losses[0] > 6.0 and losses[-1] < losses[0] - 1.0, losses
+    assert len(evals) == 2 and evals[-1] < evals[0]
+    assert "step 120: loss=" in result.stdout
