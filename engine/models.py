@@ -88,11 +88,14 @@ def _from_config(values: dict[str, Any], train: TrainConfig, tokenizer: Any) -> 
         values["vocab_size"] = len(tokenizer)
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             values[name] = getattr(tokenizer, name)
-    values.update(train.model_config)
-    config = transformers.CONFIG_MAPPING[model_type](**values)
-    unknown = sorted(k for k in train.model_config if not hasattr(config, k))
+    config_class = transformers.CONFIG_MAPPING[model_type]
+    # configs accept any keyword silently: compare with the keys a default config has
+    known = config_class().to_dict()
+    unknown = sorted(k for k in train.model_config if k not in known)
     if unknown:
         raise ConfigError(f"train.model_config: {model_type} config has no key {unknown[0]!r}")
+    values.update(train.model_config)
+    config = config_class(**values)
     torch.manual_seed(train.seed)
     cls = _model_class(config)
     return cls.from_config(config) if cls is transformers.AutoModelForCausalLM else cls(config)
