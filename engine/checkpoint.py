@@ -19,6 +19,7 @@ named ``checkpoint-<step>`` is always complete; the marker guards against copies
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -99,6 +100,20 @@ def _unique_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return out
 
 
+@contextlib.contextmanager
+def _quiet_transformers():
+    """No "Writing model shards" progress bar in the middle of training output."""
+    from transformers.utils import logging
+
+    was_enabled = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            logging.enable_progress_bar()
+
+
 def save(run: Run) -> Path:
     """Write a checkpoint for the current step; returns its path."""
     from safetensors.torch import save_file
@@ -118,7 +133,8 @@ def save(run: Run) -> Path:
     strategy.barrier()
     if strategy.is_main_process:
         if hasattr(run.model, "save_pretrained"):
-            run.model.save_pretrained(tmp, state_dict=model_state, safe_serialization=True)
+            with _quiet_transformers():
+                run.model.save_pretrained(tmp, state_dict=model_state, safe_serialization=True)
         else:
             save_file(_unique_tensors(model_state), str(tmp / WEIGHTS))
         if hasattr(run.tokenizer, "save_pretrained"):
