@@ -212,6 +212,10 @@ class Run:
             with self.strategy.model_init_context():
                 self.model = build_model(train, self.tokenizer)
         self.label_shift = shifts_labels(self.model)
+        vocab_size = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        if vocab_size is not None and self.tokenizer is not None and len(self.tokenizer) > vocab_size:
+            raise ConfigError(f"the tokenizer has {len(self.tokenizer)} tokens but the model's vocab_size is "
+                              f"{vocab_size}; set data.tokenizer to the model's tokenizer or pass tokenizer=")
 
         self.undo_patches = [undo for undo in self.hook.patch_model(run=self, model=self.model) if undo]
         self.wrapped_model = self.strategy.prepare_model(self.model)

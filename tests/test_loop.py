@@ -255,3 +255,19 @@ def test_resume_continues_with_identical_parameters(tmp_path):
     assert counter.steps == 4
     for name, value in _params(straight).items():
         torch.testing.assert_close(_params(resumed)[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_a_fresh_run_restarts_metrics_jsonl(tmp_path):
+    run_steps(3, output_dir=tmp_path)
+    run_steps(2, output_dir=tmp_path)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2]
+
+
+def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path):
+    from engine import ConfigError
+
+    run = Run({"train": {"output_dir": str(tmp_path)}, "data": {"tokenizer_vocab_size": 300}},
+              model=tiny_model(vocab_size=128))
+    with pytest.raises(ConfigError, match="the tokenizer has 300 tokens but the model's vocab_size is 128"):
+        run.setup()

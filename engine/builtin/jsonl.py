@@ -13,21 +13,25 @@ def _json_value(value):
 
 
 class JsonlLogger:
-    """One instance per run (see ``BUILTIN_PLUGINS``); appends so resumed runs keep history."""
+    """One instance per run (see ``BUILTIN_PLUGINS``)."""
 
     def __init__(self):
         self.handle = None
 
+    def _open(self, run, mode):
+        run.output_dir.mkdir(parents=True, exist_ok=True)
+        self.handle = open(run.output_dir / "metrics.jsonl", mode, encoding="utf-8")
+
     @hookimpl
     def log_hyperparams(self, run, params):
-        run.output_dir.mkdir(parents=True, exist_ok=True)
+        # a fresh run starts a fresh file; a resumed one continues the history it resumed from
+        self._open(run, "a" if run.state.global_step > 0 else "w")
         (run.output_dir / "hyperparams.json").write_text(json.dumps(params, indent=2))
 
     @hookimpl
     def log_metrics(self, run, metrics, step):
-        if self.handle is None:
-            run.output_dir.mkdir(parents=True, exist_ok=True)
-            self.handle = open(run.output_dir / "metrics.jsonl", "a", encoding="utf-8")
+        if self.handle is None:  # evaluation outside training
+            self._open(run, "a")
         record = {"step": step, **{k: _json_value(v) for k, v in metrics.items()}}
         self.handle.write(json.dumps(record) + "\n")
         self.handle.flush()
