@@ -89,12 +89,12 @@ def test_plugins_lists_builtins_and_hooks():
 
 def test_default_run_trains_and_the_loss_falls(tmp_path):
     """The embedded default run (shortened): tiny Llama, tokenizer trained on Python's docstrings."""
-    result = engine("train", "--set", f"train.output_dir={tmp_path}", "--set", "train.max_steps=120",
-                    "--set", "train.eval_steps=60")
+    result = engine("train", "--set", f"train.output_dir={tmp_path}", "--set", "train.max_steps=150",
+                    "--set", "train.eval_steps=75", "--set", "train.logging_steps=10")
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
     assert losses[0] > 6.0 and losses[-1] < losses[0] - 1.0, losses
     assert len(evals) == 2 and evals[-1] < evals[0]
-    assert "step 120: loss=" in result.stdout
+    assert "step 150: loss=" in result.stdout

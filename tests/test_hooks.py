@@ -100,6 +100,8 @@ def test_on_train_mode_and_on_eval_mode_switch_around_evaluation(tmp_path):
     assert [m for m, _ in modes] == ["train", "eval", "train", "eval", "train", "eval"]
 
 
+# the fused step never calls optimizer.step(), which torch's scheduler notices
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
 def test_training_step_can_own_the_whole_step(tmp_path):
     """A fused step (as LOMO does): the plugin computes, applies and returns the loss."""
     def training_step(run, batches, num_items_in_batch):
