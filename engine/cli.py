@@ -57,6 +57,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _plugins(args: argparse.Namespace) -> int:
+    from .hookspecs import HOOK_NAMES
     from .plugins import describe_installed, installed_plugins
 
     run = _make_run(args)
@@ -74,12 +75,11 @@ def _plugins(args: argparse.Namespace) -> int:
         rows.append(f"{plugin.name:<16} {plugin.distribution} {plugin.version:<10} {state:<9}  {detail}")
     print("installed plugins:" if rows else "installed plugins: (none)")
     print("\n".join("  " + row for row in rows))
-    pm = run.plugin_manager
     print("builtins (always on, replaced by enabled plugins):")
     for kind, registry in run.registries.items():
         builtin_names = [n for n, e in registry.entries.items() if e.plugin.startswith("builtin.")]
         print(f"  {kind:<10} {', '.join(sorted(builtin_names))}")
-    print(f"hooks: {', '.join(pm.hook_names())}")
+    print(f"hooks: {', '.join(HOOK_NAMES)}")
     return 0
 
 

@@ -386,3 +386,7 @@ def on_checkpoint_saved(run: Run, path: str) -> None:
     **When**: after the checkpoint folder was written and renamed into place, on the main
     process. **Combine**: broadcast. Hub uploads and rotation hang off this hook.
     """
+
+
+# Every hook, in the order of this module (the order the reference and `engine plan` use).
+HOOK_NAMES = tuple(name for name, value in list(globals().items()) if hasattr(value, "engine_spec"))

@@ -6,8 +6,8 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from . import __version__
-from .hookspecs import combine_kind
 from .config import DataConfig, TrainConfig, to_toml
+from .hookspecs import HOOK_NAMES, combine_kind
 from .plugins import BUILTIN_PREFIX
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ def render_plan(run: Run) -> str:
         lines.append(f"  {name:<24} {_origin(run, name)}")
 
     lines += ["", "hooks (implementations in call order; firstresult: the first non-None answer wins):"]
-    for hook_name in pm.hook_names():
+    for hook_name in HOOK_NAMES:
         order = pm.call_order(hook_name)
         kind = combine_kind(hook_name)
         lines.append(f"  {hook_name:<24} {kind:<12} {', '.join(order) or '(none)'}")

@@ -253,10 +253,6 @@ class PluginManager:
         """Plugin names in the order pluggy calls them for ``hook_name`` (wrappers first)."""
         return [impl.plugin_name for impl in reversed(getattr(self.pm.hook, hook_name).get_hookimpls())]
 
-    def hook_names(self) -> list[str]:
-        return [name for name in vars(hookspecs) if getattr(self.pm.hook, name, None) is not None
-                and getattr(getattr(self.pm.hook, name), "spec", None) is not None]
-
     def option_schemas(self) -> dict[str, type | None]:
         schemas: dict[str, type | None] = {name: None for name in self.enabled}
         for plugin, schema in self.per_plugin("plugin_options").items():

@@ -19,10 +19,8 @@ from typing import Any
 import torch
 
 from . import hookimpl, hookspecs
+from .hookspecs import HOOK_NAMES
 from .run import Run
-
-HOOK_NAMES = tuple(name for name, value in vars(hookspecs).items()
-                   if callable(value) and hasattr(value, "engine_spec"))
 
 
 def tiny_model(vocab_size: int = 128, seed: int = 0, **config: Any) -> torch.nn.Module:
