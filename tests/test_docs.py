@@ -36,3 +36,15 @@ def test_readme_composed_run_plans(tmp_path):
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "optimizer  selected 'lion' from lion" in result.stdout
+
+
+def test_readme_command_lines_compose(tmp_path):
+    """Each `engine train ...` line of the README composes (checked with `engine plan`)."""
+    (tmp_path / "run.toml").write_text(_block("toml", "## A composed run"))
+    commands = [line.split("#")[0].split() for line in _block("bash", "## A composed run").splitlines()
+                if line.startswith("engine train")]
+    assert len(commands) == 2
+    for words in commands:
+        result = subprocess.run([sys.executable, "-m", "engine", "plan", *words[2:]], cwd=tmp_path,
+                                capture_output=True, text=True)
+        assert result.returncode == 0, (words, result.stderr)
