@@ -35,7 +35,7 @@ def tiny_model(vocab_size: int = 128, seed: int = 0, **config: Any) -> torch.nn.
 
 
 class TokenDataset(torch.utils.data.Dataset):
-    """Random token rows ``{"input_ids", "labels"}``; ``pad_to`` varies row lengths for padding tests."""
+    """Token rows ``{"input_ids", "labels"}``; ``lengths`` cuts each row short, so batches need padding."""
 
     def __init__(self, rows: torch.Tensor, lengths: list[int] | None = None):
         self.rows = rows

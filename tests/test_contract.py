@@ -6,9 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import Run, hookspecs
-from engine.data import DataCollator
-from engine.testing import HOOK_NAMES, HookRecorder, run_steps, tiny_dataset, tiny_model
+from engine import hookspecs
+from engine.testing import HOOK_NAMES, HookRecorder, run_steps, tiny_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,7 +8,7 @@ import torch
 
 from engine import Run, hookimpl
 from engine.data import DataCollator
-from engine.testing import TokenDataset, run_steps, tiny_dataset, tiny_model
+from engine.testing import run_steps, tiny_dataset, tiny_model
 
 
 def _params(run):

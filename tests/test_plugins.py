@@ -9,7 +9,7 @@ import torch
 from engine import Run, hookimpl
 from engine.errors import ConfigError, PluginError
 from engine.plugins import PluginManager, installed_plugins
-from engine.testing import run_steps, tiny_dataset, tiny_model
+from engine.testing import run_steps
 
 OPTIMIZER_PLUGIN = """
     import torch
