@@ -1,4 +1,4 @@
-"""The ``engine`` command: train, plan, plugins.
+"""The ``engine`` command: train, evaluate, plan, plugins.
 
 Bad input (a missing run file, a TOML syntax error, an unknown plugin, optimizer or key, a
 wrong type) prints one line ``engine: error: ...`` and exits with status 2, no traceback.
@@ -31,6 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train = commands.add_parser("train", help="train a run (default: the embedded tiny run)")
     _add_run_arguments(train)
+    evaluate = commands.add_parser("evaluate", help=(
+        "evaluate a run's model on its eval data and print the metrics as JSON"))
+    _add_run_arguments(evaluate)
+    evaluate.add_argument("--checkpoint", metavar="PATH", help=(
+        "load these weights first: a checkpoint-<step> folder or a final model folder"))
     plan = commands.add_parser("plan", help="show the composed run: plugins, hook order, full config")
     _add_run_arguments(plan)
     plugins = commands.add_parser("plugins", help="list installed plugins, their hooks and names")
@@ -48,6 +53,22 @@ def _make_run(args: argparse.Namespace) -> Any:
 def _train(args: argparse.Namespace) -> int:
     run = _make_run(args)
     run.train()
+    return 0
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from .errors import CheckpointError
+
+    run = _make_run(args)
+    run.setup()
+    if args.checkpoint:
+        if not Path(args.checkpoint).is_dir():
+            raise CheckpointError(f"--checkpoint: {args.checkpoint} is not a folder")
+        run.strategy.load_model_weights(run.model, Path(args.checkpoint))
+    print(json.dumps(run.evaluate()))
     return 0
 
 
@@ -85,7 +106,7 @@ def _plugins(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    command = {"train": _train, "plan": _plan, "plugins": _plugins}[args.command]
+    command = {"train": _train, "evaluate": _evaluate, "plan": _plan, "plugins": _plugins}[args.command]
     try:
         return command(args)
     except EngineError as exc:

@@ -77,13 +77,32 @@ class TrainConfig:
     eval_steps: int | None = option(None, help="evaluate every N steps (default: logging_steps)")
     save_strategy: Literal["no", "steps", "epoch"] = option("steps", help="when to save a checkpoint")
     save_steps: int = option(500, help="save every N steps when save_strategy = 'steps'")
+    save_total_limit: int | None = option(None, help=(
+        "keep at most this many checkpoints (oldest deleted first; the best one is always kept)"))
+    save_final_model: bool = option(True, help=(
+        "save the final model (HF layout) and tokenizer to output_dir when training ends"))
     resume_from_checkpoint: bool | str | None = option(None, help=(
         "true: newest checkpoint in output_dir; a path: that checkpoint"))
+    load_best_model_at_end: bool = option(False, help=(
+        "track the best checkpoint by metric_for_best_model and load it when training ends"))
+    metric_for_best_model: str | None = option(None, help=(
+        "evaluation metric that ranks checkpoints, e.g. 'loss' or 'eval_accuracy' "
+        "(default: 'loss' when load_best_model_at_end)"))
+    greater_is_better: bool | None = option(None, help=(
+        "whether a larger metric_for_best_model is better (default: false for *loss, else true)"))
+    prediction_loss_only: bool = option(False, help="evaluation returns the loss only (no compute_metrics)")
     compute_metrics: str | None = option(None, help=(
         "'package.module:function' taking an EvalPrediction and returning a dict of floats"))
     dataloader_num_workers: int = option(0, help="DataLoader worker processes")
     dataloader_drop_last: bool = option(False, help="drop the last incomplete batch")
     disable_tqdm: bool = option(False, help="no console progress bar")
+    log_level: Literal["passive", "debug", "info", "warning", "error", "critical"] = option("passive", help=(
+        "log level of the main process for the engine and transformers loggers ('passive': "
+        "engine info, transformers' own default)"))
+    log_level_replica: Literal["passive", "debug", "info", "warning", "error", "critical"] = option(
+        "warning", help="log level of the other processes")
+    log_on_each_node: bool = option(True, help=(
+        "multi-node: each node's local rank 0 logs at log_level (false: only global rank 0)"))
     run_name: str | None = option(None, help="a name for trackers (default: output_dir's name)")
 
 

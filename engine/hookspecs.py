@@ -9,6 +9,9 @@ name) and loaded only when a run enables them::
     [project.entry-points."engine.plugins"]
     myplugin = "engine_myplugin"
 
+An entry point may also name a class (``"engine_myplugin:MyPlugin"``): it is instantiated
+once per run, so state kept on ``self`` (counters, open files) belongs to that run.
+
 How results combine (pluggy semantics):
 
 * **broadcast**: every implementation is called; return values are collected or ignored.

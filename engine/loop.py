@@ -10,7 +10,8 @@
         model = strategy.prepare_model(model)
         optimizer = create_optimizer(run); scheduler = create_scheduler(run, optimizer)
     train(run)
-        if resuming: restore weights, optimizer, scheduler, RNG, state
+        if resuming: validate the checkpoint (before setup), then restore weights,
+                     optimizer, scheduler, RNG, state
                      load_checkpoint_state(run, state)            # each plugin its own
         log_hyperparams(run, config)                              # main process
         on_train_start(run)
@@ -24,12 +25,15 @@
                 scheduler.step()
                 on_step_end(run)                                  # may set run.control flags
                 every logging_steps:  log_metrics(run, metrics, step)
-                every eval_steps:     evaluate(run)               # see below, then on_train_mode
+                every eval_steps:     evaluate(run)               # see below; best metric noted;
+                                                                  #   then on_train_mode
                 every save_steps:     save(run)                   # see below, then on_train_mode
                 if run.control.should_stop or step == max_steps: stop
             on_epoch_end(run)
             eval_strategy / save_strategy "epoch": evaluate / save
         on_eval_mode(run)
+        load_best_model_at_end: load the best checkpoint's weights
+        save_final_model: model (+ tokenizer) into output_dir
         on_train_end(run)
         undo patches (reverse order)
         log_finish(run, status)                                   # also when training raised
@@ -42,7 +46,7 @@
     save(run)
         on_eval_mode(run)
         checkpoint_state(run)                                     # each plugin its own
-        write output_dir/checkpoint-<step>/ atomically
+        write output_dir/checkpoint-<step>/ atomically; rotate (save_total_limit)
         on_checkpoint_saved(run, path)
 
 Per-step work is kept to what a hand-written loop does: hook callers are looked up once, the
@@ -68,13 +72,30 @@ if TYPE_CHECKING:
 
 
 def train(run: Run) -> dict[str, float]:
+    resume_from = checkpoint.find_resume_checkpoint(run)  # a bad checkpoint stops us before setup
     run.setup()
     hook, state, control, strategy = run.hook, run.state, run.control, run.strategy
     train_cfg = run.config.train
     main = strategy.is_main_process
     accumulation = train_cfg.gradient_accumulation_steps
     state.max_steps = run.num_training_steps
-    checkpoint.resume_if_requested(run)
+    if main:
+        checkpoint.remove_partial(run.output_dir)
+    if resume_from is not None:
+        checkpoint.load(run, resume_from)
+
+    def evaluate_now() -> None:
+        checkpoint.note_evaluation(run, evaluate(run))
+        hook.on_train_mode(run=run)
+
+    saved_step = state.global_step if resume_from is not None else -1
+
+    def save_now() -> None:
+        nonlocal saved_step
+        if saved_step != state.global_step:  # e.g. a save_steps save that is also an epoch's end
+            checkpoint.save(run)
+            saved_step = state.global_step
+        hook.on_train_mode(run=run)
 
     eval_every = (train_cfg.eval_steps or train_cfg.logging_steps) if train_cfg.eval_strategy == "steps" else 0
     save_every = train_cfg.save_steps if train_cfg.save_strategy == "steps" else 0
@@ -106,6 +127,7 @@ def train(run: Run) -> dict[str, float]:
             done_in_epoch = state.global_step - epoch * steps_per_epoch if steps_per_epoch else 0
             if sampler is not None:
                 sampler.set_epoch(epoch, done_in_epoch * accumulation * train_cfg.per_device_train_batch_size)
+            run.train_loader.generator.manual_seed(train_cfg.seed + epoch)  # worker seeds per epoch
             state.epoch = float(epoch) + (done_in_epoch / steps_per_epoch if steps_per_epoch else 0.0)
             hook.on_epoch_start(run=run)
             batches = iter(run.train_loader)
@@ -137,23 +159,19 @@ def train(run: Run) -> dict[str, float]:
                         hook.log_metrics(run=run, metrics=metrics, step=step)
                 if (eval_every and step % eval_every == 0) or control.should_evaluate:
                     control.should_evaluate = False
-                    evaluate(run)
-                    hook.on_train_mode(run=run)
+                    evaluate_now()
                 if (save_every and step % save_every == 0) or control.should_save:
                     control.should_save = False
-                    checkpoint.save(run)
-                    hook.on_train_mode(run=run)
+                    save_now()
                 if control.should_stop or last:
                     break
             hook.on_epoch_end(run=run)
             if train_cfg.eval_strategy == "epoch" or control.should_evaluate:
                 control.should_evaluate = False
-                evaluate(run)
-                hook.on_train_mode(run=run)
+                evaluate_now()
             if train_cfg.save_strategy == "epoch" or control.should_save:
                 control.should_save = False
-                checkpoint.save(run)
-                hook.on_train_mode(run=run)
+                save_now()
             if control.should_stop:
                 break
         if logged.steps:  # steps since the last log, when a plugin stopped the run
@@ -170,6 +188,10 @@ def train(run: Run) -> dict[str, float]:
         if main:
             hook.log_metrics(run=run, metrics=summary, step=state.global_step)
         hook.on_eval_mode(run=run)
+        if train_cfg.load_best_model_at_end:
+            checkpoint.load_best_model(run)
+        if train_cfg.save_final_model:
+            checkpoint.save_final_model(run)
         hook.on_train_end(run=run)
         status = "success"
         return summary
@@ -231,21 +253,40 @@ def evaluate(run: Run, dataset: Any = None, prefix: str = "eval") -> dict[str, f
         raise ConfigError("no evaluation data: set data.eval or data.eval_split, or pass eval_dataset")
     metrics: dict[str, float] = {}
     run.hook.on_eval_mode(run=run)
-    if isinstance(dataset, dict):
-        for name, part in dataset.items():
-            metrics.update(_evaluate_one(run, part, f"{prefix}_{name}"))
-    else:
-        metrics.update(_evaluate_one(run, dataset, prefix))
+    parts = dataset.items() if isinstance(dataset, dict) else [(None, dataset)]
+    for name, part in parts:
+        part_metrics, _, _ = _evaluate_one(run, part, f"{prefix}_{name}" if name else prefix,
+                                           want_predictions=False)
+        metrics.update(part_metrics)
+    return _report(run, metrics)
+
+
+def predict(run: Run, dataset: Any, prefix: str = "test") -> Any:
+    """Logits, labels and metrics over ``dataset`` (see :meth:`Run.predict`)."""
+    from .run import PredictionOutput
+
+    run.hook.on_eval_mode(run=run)
+    metrics, predictions, label_ids = _evaluate_one(run, dataset, prefix, want_predictions=True)
+    return PredictionOutput(predictions, label_ids, _report(run, metrics, is_evaluation=False))
+
+
+def _report(run: Run, metrics: dict[str, float], is_evaluation: bool = True) -> dict[str, float]:
     state = run.state
     metrics["epoch"] = round(state.epoch, 4)
     state.log_history.append({"step": state.global_step, **metrics})
     if run.strategy.is_main_process:
         run.hook.log_metrics(run=run, metrics=metrics, step=state.global_step)
-    run.hook.on_evaluate(run=run, metrics=metrics)
+    if is_evaluation:  # predictions are not evaluations: early stopping must not count them
+        run.hook.on_evaluate(run=run, metrics=metrics)
     return metrics
 
 
-def _evaluate_one(run: Run, dataset: Any, prefix: str) -> dict[str, float]:
+def _evaluate_one(run: Run, dataset: Any, prefix: str, want_predictions: bool) -> tuple[dict[str, float], Any, Any]:
+    """Token-weighted loss (and compute_metrics) over ``dataset``; logits and labels when wanted.
+
+    Logits come from the forward that ``compute_loss`` runs (caught by a forward hook), so
+    predictions cost no second forward pass.
+    """
     from .run import EpochSampler
 
     strategy, model, train_cfg = run.strategy, run.wrapped_model, run.config.train
@@ -254,29 +295,39 @@ def _evaluate_one(run: Run, dataset: Any, prefix: str) -> dict[str, float]:
         sampler = EpochSampler(len(dataset), 0, False, strategy.rank, strategy.world_size)
     loader = torch.utils.data.DataLoader(dataset, batch_size=train_cfg.per_device_eval_batch_size,
                                          sampler=sampler, collate_fn=run.data_collator,
-                                         num_workers=train_cfg.dataloader_num_workers)
+                                         num_workers=train_cfg.dataloader_num_workers,
+                                         generator=torch.Generator().manual_seed(train_cfg.seed))
     compute_loss = run.hook.compute_loss
-    want_predictions = run.compute_metrics is not None
+    use_metrics = run.compute_metrics is not None and not train_cfg.prediction_loss_only
+    collect = use_metrics or (want_predictions and not train_cfg.prediction_loss_only)
+    outputs: list[Any] = []
+    handle = model.register_forward_hook(lambda module, args, output: outputs.append(output)) if collect else None
     loss_sum = torch.zeros((), dtype=torch.float64)
     weight_sum = torch.zeros((), dtype=torch.float64)
     predictions, label_ids = [], []
     samples = 0
     started = time.perf_counter()
-    with torch.no_grad():
-        for batch in loader:
-            batch = strategy.to_device(batch)
-            num_items = count_items(batch["labels"], run.label_shift) if "labels" in batch else None
-            with strategy.autocast():
-                loss = compute_loss(run=run, model=model, batch=batch, num_items_in_batch=num_items)
-                outputs = model(**batch) if want_predictions else None
-            weight = num_items if num_items is not None else len(next(iter(batch.values())))
-            loss_sum += loss.detach().double().cpu() * float(weight)
-            weight_sum += float(weight)
-            samples += len(next(iter(batch.values())))
-            if want_predictions:
-                predictions.append(logits_of(outputs).detach().float().cpu())
-                if "labels" in batch:
-                    label_ids.append(batch["labels"].cpu())
+    try:
+        with torch.no_grad():
+            for batch in loader:
+                batch = strategy.to_device(batch)
+                num_items = count_items(batch["labels"], run.label_shift) if "labels" in batch else None
+                outputs.clear()
+                with strategy.autocast():
+                    loss = compute_loss(run=run, model=model, batch=batch, num_items_in_batch=num_items)
+                    if collect and not outputs:  # a loss plugin that did not call the model
+                        model(**batch)
+                weight = num_items if num_items is not None else len(next(iter(batch.values())))
+                loss_sum += loss.detach().double().cpu() * float(weight)
+                weight_sum += float(weight)
+                samples += len(next(iter(batch.values())))
+                if collect:
+                    predictions.append(logits_of(outputs[-1]).detach().float().cpu())
+                    if "labels" in batch:
+                        label_ids.append(batch["labels"].cpu())
+    finally:
+        if handle is not None:
+            handle.remove()
     loss_sum = strategy.reduce(loss_sum.to(strategy.device), "sum").cpu()
     weight_sum = strategy.reduce(weight_sum.to(strategy.device), "sum").cpu()
     runtime = time.perf_counter() - started
@@ -285,11 +336,14 @@ def _evaluate_one(run: Run, dataset: Any, prefix: str) -> dict[str, float]:
         f"{prefix}_runtime": round(runtime, 4),
         f"{prefix}_samples_per_second": round(samples / runtime, 3) if runtime else 0.0,
     }
-    if want_predictions:
-        prediction = EvalPrediction(_concat_padded(predictions), _concat_padded(label_ids) if label_ids else None)
-        for key, value in run.compute_metrics(prediction).items():
+    if not collect:
+        return metrics, None, None
+    all_predictions = _concat_padded(predictions)
+    all_labels = _concat_padded(label_ids) if label_ids else None
+    if use_metrics:
+        for key, value in run.compute_metrics(EvalPrediction(all_predictions, all_labels)).items():
             metrics[key if key.startswith(prefix + "_") else f"{prefix}_{key}"] = value
-    return metrics
+    return metrics, all_predictions, all_labels
 
 
 class EvalPrediction(tuple):

@@ -65,7 +65,8 @@ class InstalledPlugin:
             ) from exc
         for part in filter(None, attr.split(".")):
             target = getattr(target, part)
-        return target
+        # a class is instantiated: each run gets its own plugin state (counters, handles)
+        return target() if isinstance(target, type) else target
 
 
 def installed_plugins() -> dict[str, InstalledPlugin]:

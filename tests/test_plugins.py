@@ -8,7 +8,7 @@ import torch
 
 from engine import Run, hookimpl
 from engine.errors import ConfigError, PluginError
-from engine.plugins import PluginManager, installed_plugins
+from engine.plugins import PluginManager, installed_plugins, unknown_plugin_message
 from engine.testing import run_steps
 
 OPTIMIZER_PLUGIN = """
@@ -37,15 +37,19 @@ def test_enabled_plugin_is_used_and_others_are_never_imported(entry_point_plugin
     assert used in sys.modules and unused not in sys.modules
 
 
-def test_unknown_plugin_lists_installed_and_first_party_extra(entry_point_plugin):
+def test_unknown_plugin_lists_installed_and_first_party_extra(entry_point_plugin, first_party):
     entry_point_plugin("present", OPTIMIZER_PLUGIN)
     with pytest.raises(PluginError) as err:
         PluginManager(["presnt"])
     assert "unknown plugin 'presnt'; did you mean 'present'?" in str(err.value)
     assert "installed plugins: " in str(err.value) and "present" in str(err.value)
-    with pytest.raises(PluginError, match=r"unknown plugin 'galore'; it comes from engine-galore: "
-                                          r"pip install 'engine\[galore\]'"):
-        PluginManager(["galore"])
+    message = unknown_plugin_message("galore", installed=["present"])
+    assert message == ("unknown plugin 'galore'; it comes from engine-galore: pip install 'engine[galore]'; "
+                       "installed plugins: present")
+    plugin, _ = first_party(installed=False)
+    with pytest.raises(PluginError, match=rf"unknown plugin '{plugin}'; it comes from engine-{plugin}: "
+                                          rf"pip install 'engine\[{plugin}\]'"):
+        PluginManager([plugin])
 
 
 def test_plugin_that_fails_to_import_is_fatal_and_names_the_module(entry_point_plugin):
@@ -74,12 +78,19 @@ def test_enabled_plugin_replaces_a_builtin_name(tmp_path):
     assert run.registries["optimizer"].get("adamw_torch").plugin == "FastSGD"
 
 
-def test_unknown_optimizer_lists_names_and_the_extra_that_provides_it():
+def test_unknown_optimizer_lists_names_and_the_extra_that_provides_it(first_party):
+    plugin, name = first_party("optimizer", installed=True)
     with pytest.raises(ConfigError) as err:
-        Run({"train": {"optim": "galore_adamw"}})
+        Run({"train": {"optim": name}})
     assert str(err.value).startswith(
-        "train.optim: unknown optimizer 'galore_adamw'; it comes from engine-galore: "
-        "pip install 'engine[galore]' and add 'galore' to plugins; available: adafactor, adagrad, adamw_torch")
+        f"train.optim: unknown optimizer '{name}'; it comes from plugin '{plugin}', which is installed but not "
+        f"enabled: add '{plugin}' to plugins (or --plugins +{plugin}); available: adafactor, adagrad, adamw_torch")
+    plugin, name = first_party("strategy", installed=False)
+    with pytest.raises(ConfigError) as err:
+        Run({"train": {"strategy": name}})
+    assert str(err.value).startswith(
+        f"train.strategy: unknown strategy '{name}'; it comes from engine-{plugin}: "
+        f"pip install 'engine[{plugin}]' and add '{plugin}' to plugins; available: single")
     with pytest.raises(ConfigError) as err:
         Run({"train": {"optim": "adamw_torhc"}})
     message = str(err.value)

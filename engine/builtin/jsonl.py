@@ -1,15 +1,39 @@
-"""``output_dir/metrics.jsonl``: one JSON object per log event; ``hyperparams.json``."""
+"""``output_dir/metrics.jsonl``: one JSON object per log event; ``hyperparams.json``.
+
+A fresh run starts the file anew. A resumed run keeps the records up to the step it resumed
+from and appends after them, so a run interrupted any number of times ends with the same
+records as one that never was (timings aside).
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 
 from engine import hookimpl
 
 
 def _json_value(value):
     return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def _drop_records_after(path, step):
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip() and _complete_record_step(line) <= step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _complete_record_step(line):
+    """The step of a record; a line cut short by a kill counts as after every step."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError):
+        return math.inf
 
 
 class JsonlLogger:
@@ -24,8 +48,12 @@ class JsonlLogger:
 
     @hookimpl
     def log_hyperparams(self, run, params):
-        # a fresh run starts a fresh file; a resumed one continues the history it resumed from
-        self._open(run, "a" if run.state.global_step > 0 else "w")
+        # a fresh run starts a fresh file; a resumed one continues the history it resumed
+        # from, without what the interrupted run logged after its checkpoint
+        step = run.state.global_step
+        if step > 0:
+            _drop_records_after(run.output_dir / "metrics.jsonl", step)
+        self._open(run, "a" if step > 0 else "w")
         (run.output_dir / "hyperparams.json").write_text(json.dumps(params, indent=2))
 
     @hookimpl

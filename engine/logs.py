@@ -1,0 +1,59 @@
+"""Log levels per process, with ``TrainingArguments``' meanings.
+
+The engine logs through the ``engine`` logger (plugins: ``logging.getLogger("engine.<name>")``),
+which prints ``engine: <message>`` to stderr. Metrics are not log records: trackers and the
+console plugin get them through ``log_metrics`` on the main process.
+
+* ``log_level``: the main process's level for the engine and transformers loggers;
+  ``passive`` keeps engine at info and leaves transformers at its own default.
+* ``log_level_replica``: the level of every other process (default: warning).
+* ``log_on_each_node``: which process counts as main: each node's local rank 0 (true,
+  default) or only global rank 0 (false).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from .config import TrainConfig
+
+LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+          "error": logging.ERROR, "critical": logging.CRITICAL}
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to the current ``sys.stderr`` (which tests and notebooks may replace)."""
+
+    def __init__(self):
+        super().__init__()
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+def process_log_level(train: TrainConfig, rank: int, local_rank: int) -> str:
+    """The configured level name for the process with these ranks."""
+    main = local_rank == 0 if train.log_on_each_node else rank == 0
+    return train.log_level if main else train.log_level_replica
+
+
+def setup_logging(train: TrainConfig, rank: int, local_rank: int) -> None:
+    """Set the engine (and, unless passive, transformers) log level of this process."""
+    level = process_log_level(train, rank, local_rank)
+    logger = logging.getLogger("engine")
+    if not logger.handlers:
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("engine: %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(logging.INFO if level == "passive" else LEVELS[level])
+    if level != "passive":
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity(LEVELS[level])

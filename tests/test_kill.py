@@ -1,0 +1,114 @@
+"""SIGKILL a training process at random moments, including in the middle of saves, and resume.
+
+Each restart must resume from the newest complete checkpoint at the time of the kill, and the
+run, killed again and again, must end with exactly the weights and logged losses of a run
+that was never interrupted: nothing half written is ever loaded.
+"""
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+from safetensors.torch import load_file
+
+from engine.checkpoint import list_checkpoints
+
+STEPS = 40
+RUN_FILE = """
+[train]
+model = "tiny-llama"
+output_dir = "{out}"
+max_steps = {steps}
+per_device_train_batch_size = 4
+learning_rate = 1e-3
+logging_steps = 1
+save_strategy = "steps"
+save_steps = 1                 # a save every step: kills often land inside one
+save_total_limit = 2           # and inside rotation's deletions
+disable_tqdm = true
+
+[data]
+train = "{corpus}"
+max_length = 32
+tokenizer = "train"
+tokenizer_vocab_size = 300
+"""
+
+
+def _start(run_file, log):
+    return subprocess.Popen([sys.executable, "-m", "engine", "train", str(run_file),
+                             "--set", "train.resume_from_checkpoint=true"],
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _losses(out):
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in records if "loss" in r]
+
+
+def _in_flight(out):
+    return sorted(p.name for p in out.iterdir() if p.name.startswith((".tmp-", ".deleting-")))
+
+
+def test_sigkill_at_random_moments_then_resume_finishes_like_an_uninterrupted_run(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(f"record {i}: the quick brown fox {i % 7} jumps over {i % 13} dogs"
+                                for i in range(400)))
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
+    files = {}
+    for out in (reference, killed):
+        files[out] = tmp_path / f"{out.name}.toml"
+        files[out].write_text(RUN_FILE.format(out=out, steps=STEPS, corpus=corpus))
+    with open(tmp_path / "reference.log", "w") as log:
+        assert _start(files[reference], log).wait(timeout=600) == 0
+
+    rng = random.Random(0)
+    kills, inside_save, resumes = 0, 0, []
+    newest_at_kill = None
+    while True:
+        log_path = tmp_path / f"attempt-{kills}.log"
+        with open(log_path, "w") as log:
+            process = _start(files[killed], log)
+            # wait until this process trains (it saved past the previous kill), then kill at random
+            deadline = time.monotonic() + 300
+            while process.poll() is None and time.monotonic() < deadline:
+                newest = list_checkpoints(killed)
+                if newest and newest[-1] != newest_at_kill:
+                    break
+                time.sleep(0.02)
+            if process.poll() is None and kills < 30 and (inside_save < 3 or kills < 8):
+                time.sleep(rng.uniform(0.0, 0.6))
+                process.send_signal(signal.SIGKILL)
+                process.wait()
+                kills += 1
+                if _in_flight(killed):
+                    inside_save += 1
+                newest = list_checkpoints(killed)
+                newest_at_kill = newest[-1] if newest else None
+            else:
+                assert process.wait(timeout=600) == 0, log_path.read_text()
+        text = log_path.read_text()
+        assert "Traceback" not in text, text
+        found = re.search(r"engine: resumed from (\S+) \(step (\d+)\)", text)
+        if found:
+            resumes.append(found.group(1))
+        if process.returncode == 0:
+            break
+
+    assert kills >= 8 and inside_save >= 1, (kills, inside_save)
+    assert len(resumes) == kills  # every restart resumed...
+    assert all(re.fullmatch(r".*/checkpoint-\d+", path) for path in resumes)
+    assert not _in_flight(killed)  # ...and leftovers were cleaned
+    assert _losses(killed) == _losses(reference)
+    assert [step for step, _ in _losses(killed)] == list(range(1, STEPS + 1))
+    expected = load_file(reference / "model.safetensors")
+    actual = load_file(killed / "model.safetensors")
+    assert expected.keys() == actual.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(actual[name], tensor), name
