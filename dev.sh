@@ -2,27 +2,33 @@
 # Quick start on a fresh machine (only Python 3.10+ and pip needed):
 #   ./dev.sh run     set up .venv and run the embedded default training run
 #   ./dev.sh test    set up .venv and run the test suite (what CI runs)
+#   ./dev.sh wheels  build wheels of engine and every plugin into wheelhouse/, so that
+#                    pip install --find-links wheelhouse 'engine[galore]' works offline
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${VENV:-.venv}
 PY="$VENV/bin/python"
+PLUGINS=(plugins/*/)
 
 setup() {
     local stamp="$VENV/.engine-installed"
-    if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt contrib/lion/pyproject.toml ]; then
+    if [ -f "$stamp" ] && [ -z "$(find pyproject.toml contrib/*/pyproject.toml plugins/*/pyproject.toml -newer "$stamp")" ]; then
         return
     fi
     python3 -m venv "$VENV"
     "$PY" -m pip install -q --upgrade pip
     # the CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build
     "$PY" -m pip install -q torch==2.13.0
-    "$PY" -m pip install -q -e '.[test]' -e contrib/lion
+    local editables=(-e '.[test]' -e contrib/lion)
+    for plugin in "${PLUGINS[@]}"; do editables+=(-e "$plugin"); done
+    "$PY" -m pip install -q -c <(echo torch==2.13.0) "${editables[@]}"
     touch "$stamp"
 }
 
 case "${1:-}" in
     setup) setup ;;
     run) setup; shift; "$VENV/bin/engine" train "$@" ;;
-    test) setup; shift; "$PY" -m pytest tests contrib "$@" ;;
-    *) echo "usage: ./dev.sh setup|run|test [args]" >&2; exit 2 ;;
+    test) setup; shift; "$PY" -m pytest tests contrib plugins "$@" ;;
+    wheels) setup; "$PY" -m pip wheel -q --no-deps -w wheelhouse . contrib/lion "${PLUGINS[@]}" ;;
+    *) echo "usage: ./dev.sh setup|run|test|wheels [args]" >&2; exit 2 ;;
 esac

@@ -40,8 +40,14 @@ _LAZY = {
     "PluginError": "engine.errors",
     "MissingDependencyError": "engine.errors",
     "CheckpointError": "engine.errors",
+    "PredictionOutput": "engine.run",
     "param_groups": "engine.optim",
     "parse_optim_args": "engine.optim",
+    "OptimArg": "engine.optim",
+    "check_optim_args": "engine.optim",
+    "target_linear_parameters": "engine.optim",
+    "strategy_name": "engine.strategy",
+    "require": "engine.util",
 }
 
 __all__ = ["hookimpl", "__version__", *_LAZY]

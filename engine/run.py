@@ -9,6 +9,7 @@ hooks; :meth:`Run.train` / :meth:`Run.evaluate` run the loop in ``engine/loop.py
 from __future__ import annotations
 
 import math
+import os
 import random
 from dataclasses import dataclass, field
 from importlib import resources
@@ -159,6 +160,8 @@ class Run:
         self.config = cfg.compose(raw, self.plugin_manager.option_schemas())
         _resolve_defaults(self.config.train)
         _check_values(self.config.train, self.config.data)
+        # levels for what configure logs; setup() sets them again from the strategy's ranks
+        setup_logging(self.config.train, int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)))
 
         self.state = TrainState()
         self.control = Control()
@@ -329,6 +332,12 @@ def _check_values(train: cfg.TrainConfig, data: cfg.DataConfig) -> None:
         raise ConfigError(f"train.eval_steps: expected int >= 1, got {train.eval_steps}")
     if train.max_steps <= 0 and train.num_train_epochs <= 0:
         raise ConfigError("train.max_steps / train.num_train_epochs: set max_steps > 0 or num_train_epochs > 0")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(train, name) < 1:
+            raise ConfigError(f"train.{name}: expected float in [0, 1), got {getattr(train, name)}")
+    for name in ("adam_epsilon", "weight_decay"):
+        if getattr(train, name) < 0:
+            raise ConfigError(f"train.{name}: expected float >= 0, got {getattr(train, name)}")
     if train.learning_rate < 0:
         raise ConfigError(f"train.learning_rate: expected float >= 0, got {train.learning_rate}")
     if not 0 <= train.warmup_ratio <= 1:

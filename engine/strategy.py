@@ -137,3 +137,20 @@ class Strategy:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
+
+
+def strategy_name(run: Run) -> str:
+    """``train.strategy``, with "auto" resolved: an enabled plugin's strategy, else "single"."""
+    from .plugins import BUILTIN_PREFIX
+
+    registry = run.registries["strategy"]
+    name = run.config.train.strategy
+    if name != "auto":
+        registry.get(name)
+        return name
+    offered = {n: e.plugin for n, e in registry.entries.items() if not e.plugin.startswith(BUILTIN_PREFIX)}
+    if len(offered) > 1:
+        listed = ", ".join(f"{n} (plugin {p})" for n, p in sorted(offered.items()))
+        raise ConfigError(f"train.strategy: enabled plugins offer several strategies ({listed}); "
+                          "set train.strategy to one or disable the others")
+    return next(iter(offered), "single")

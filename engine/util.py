@@ -38,12 +38,22 @@ def load_callable(spec: str, key: str) -> Callable[..., Any]:
     return target
 
 
-def require(module: str, package: str | None = None, feature: str = "") -> Any:
-    """Import ``module`` or raise :class:`MissingDependencyError` naming the pip package."""
+def require(module: str, package: str | None = None, feature: str = "", extra: str | None = None) -> Any:
+    """Import ``module`` or raise :class:`MissingDependencyError` naming what to install.
+
+    ``extra`` names the engine extra that provides it (``pip install 'engine[galore]'``);
+    otherwise the message names the pip ``package``.
+
+    Example::
+
+        galore_torch = require("galore_torch", "galore-torch", feature="train.optim = 'galore_adamw'",
+                               extra="galore")
+    """
     try:
         return importlib.import_module(module)
     except ImportError as exc:
         what = f" for {feature}" if feature else ""
+        install = f"pip install 'engine[{extra}]'" if extra else f"pip install {package or module}"
         raise MissingDependencyError(
-            f"package {package or module!r} is needed{what}: pip install {package or module}"
+            f"package {package or module!r} is needed{what} (missing module {exc.name or module!r}): {install}"
         ) from exc

@@ -14,36 +14,23 @@ import torch
 
 from engine import hookimpl
 from engine.errors import ConfigError
-from engine.optim import param_groups, parse_optim_args
+from engine.optim import OptimArg, check_optim_args, param_groups
 
+_FLOAT = OptimArg(float)
+_BOOL = OptimArg(bool)
 # optim name -> keys train.optim_args may set (as in Trainer's handlers)
-_OPTIM_ARGS = {
-    "adamw_torch": (),
-    "adamw_torch_fused": (),
-    "adafactor": (),
-    "sgd": ("momentum", "dampening", "weight_decay", "nesterov"),
-    "adagrad": ("lr_decay", "weight_decay", "eps"),
-    "rmsprop": ("momentum", "alpha", "eps", "weight_decay", "centered"),
+_OPTIM_ARGS: dict[str, dict[str, OptimArg]] = {
+    "adamw_torch": {},
+    "adamw_torch_fused": {},
+    "adafactor": {},
+    "sgd": {"momentum": _FLOAT, "dampening": _FLOAT, "weight_decay": _FLOAT, "nesterov": _BOOL},
+    "adagrad": {"lr_decay": _FLOAT, "weight_decay": _FLOAT, "eps": _FLOAT},
+    "rmsprop": {"momentum": _FLOAT, "alpha": _FLOAT, "eps": _FLOAT, "weight_decay": _FLOAT, "centered": _BOOL},
 }
-_BOOL_ARGS = ("nesterov", "centered")
 
 
 def _optim_args(run: Any) -> dict[str, Any]:
-    name = run.config.train.optim
-    args = parse_optim_args(run.config.train.optim_args)
-    allowed = _OPTIM_ARGS[name]
-    for key, value in args.items():
-        if key not in allowed:
-            takes = ", ".join(allowed) if allowed else "no optim_args"
-            raise ConfigError(f"train.optim_args: {name} takes {takes}; got {key!r}")
-        expected = bool if key in _BOOL_ARGS else float
-        if expected is bool and isinstance(value, str) and value.lower() in ("true", "false"):
-            args[key] = value.lower() == "true"
-        elif expected is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            args[key] = float(value)
-        elif not isinstance(value, expected):
-            raise ConfigError(f"train.optim_args: {key} expects {expected.__name__}, got {value!r}")
-    return args
+    return check_optim_args(run, _OPTIM_ARGS[run.config.train.optim])
 
 
 def _groups(run: Any) -> list[dict[str, Any]]:
