@@ -48,3 +48,16 @@ def test_readme_command_lines_compose(tmp_path):
         result = subprocess.run([sys.executable, "-m", "engine", "plan", *words[2:]], cwd=tmp_path,
                                 capture_output=True, text=True)
         assert result.returncode == 0, (words, result.stderr)
+
+
+def test_readme_checkpoint_commands_compose(tmp_path):
+    (tmp_path / "checkpoints.toml").write_text(_block("toml", "## Checkpoints, resume and the best model"))
+    lines = [line.split("#")[0].split() for line in
+             _block("bash", "## Checkpoints, resume and the best model").splitlines() if line.startswith("engine ")]
+    assert [words[1] for words in lines] == ["train", "train", "evaluate"]
+    for words in lines:
+        args = [w for w in words[2:] if not w.startswith("--checkpoint") and "checkpoint-" not in w]
+        result = subprocess.run([sys.executable, "-m", "engine", "plan", *args], cwd=tmp_path,
+                                capture_output=True, text=True)
+        assert result.returncode == 0, (words, result.stderr)
+        assert "early_stopping" in result.stdout
