@@ -91,8 +91,11 @@ def test_plugins_lists_builtins_and_hooks():
 def test_default_run_trains_and_the_loss_falls(tmp_path):
     """The embedded default run (shortened): tiny Llama, tokenizer trained on Python's docstrings."""
     result = engine("train", "--set", f"train.output_dir={tmp_path}", "--set", "train.max_steps=150",
-                    "--set", "train.eval_steps=75", "--set", "train.logging_steps=10")
+                    "--set", "train.eval_steps=75", "--set", "train.save_steps=75", "--set", "train.logging_steps=10")
     assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-150", "checkpoint-75"]
+    assert "engine: loaded the best model from" in result.stderr
+    assert (tmp_path / "model.safetensors").is_file() and (tmp_path / "tokenizer.json").is_file()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
