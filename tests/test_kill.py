@@ -101,6 +101,7 @@ def test_sigkill_at_random_moments_then_resume_finishes_like_an_uninterrupted_ru
         if process.returncode == 0:
             break
 
+    print(f"{kills} kills, {inside_save} inside a save or a rotation; resumed from {resumes}")
     assert kills >= 8 and inside_save >= 1, (kills, inside_save)
     assert len(resumes) == kills  # every restart resumed...
     assert all(re.fullmatch(r".*/checkpoint-\d+", path) for path in resumes)
