@@ -20,10 +20,6 @@ from engine.testing import run_steps, tiny_dataset, tiny_model
 
 import engine_bnb
 
-# The tiny model is far faster on one thread: with 2 threads on a busy 2-core machine a run of
-# 7 steps took 10x longer (OpenMP workers waiting on each other).
-torch.set_num_threads(1)
-
 NAMES = list(engine_bnb.OPTIMIZERS)
 CLASSES = {"adamw": bnb_optim.AdamW, "lion": bnb_optim.Lion, "rmsprop": bnb_optim.RMSprop,
            "ademamix": bnb_optim.AdEMAMix}
