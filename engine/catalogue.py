@@ -45,6 +45,8 @@ FIRST_PARTY: dict[str, FirstParty] = {
     "schedulefree": FirstParty("schedulefree", {"optimizer": (
         "schedule_free_adamw", "schedule_free_sgd", "schedule_free_radam")}),
     "apollo": FirstParty("apollo", {"optimizer": ("apollo_adamw", "apollo_adamw_layerwise")}),
+    "torchao": FirstParty("torchao", {"optimizer": ("adamw_torch_4bit", "adamw_torch_8bit")}),
+    "optimi": FirstParty("optimi", {"optimizer": ("stable_adamw",)}),
     "ddp": FirstParty("ddp", {"strategy": ("ddp",)}),
     "fsdp": FirstParty("fsdp", {"strategy": ("fsdp",)}),
     "deepspeed": FirstParty("deepspeed", {"strategy": ("deepspeed",)}),
@@ -52,6 +54,17 @@ FIRST_PARTY: dict[str, FirstParty] = {
     "tensorboard": FirstParty("tensorboard"),
     "mlflow": FirstParty("mlflow"),
     "wandb": FirstParty("wandb"),
+}
+
+
+# TrainingArguments.optim names tied to hardware or libraries this engine does not support, and
+# what to use instead.
+UNSUPPORTED_OPTIMIZERS = {
+    "adamw_torch_xla": "TPU/XLA is not supported by this engine; use adamw_torch",
+    "adamw_torch_npu_fused": "Ascend NPUs are not supported by this engine; use adamw_torch or adamw_torch_fused",
+    "adamw_apex_fused": "NVIDIA apex is not supported (torch has the same fused kernel); use adamw_torch_fused",
+    "adamw_anyprecision": "torchdistx's AnyPrecisionAdamW is not supported; use adamw_torch with train.bf16 = true, "
+                          "or adamw_8bit (engine[bnb]) for smaller optimizer state",
 }
 
 

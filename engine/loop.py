@@ -111,7 +111,7 @@ def train(run: Run) -> dict[str, float]:
     shift = run.label_shift
 
     logged = _Interval(state)
-    lr = optimizer.param_groups[0]["lr"]
+    lr = float(optimizer.param_groups[0]["lr"])
     status = "failed"
     start_time = time.perf_counter()
     start_step = state.global_step
@@ -142,7 +142,7 @@ def train(run: Run) -> dict[str, float]:
                     num_items = sum(count_items(batch["labels"], shift) for batch in window)
                 logged.tokens += sum(b["input_ids"].numel() for b in window if "input_ids" in b)
 
-                lr = optimizer.param_groups[0]["lr"]
+                lr = float(optimizer.param_groups[0]["lr"])  # a tensor for some optimizers (torchao)
                 out = training_step(run=run, batches=window, num_items_in_batch=num_items)
                 scheduler_step()
                 state.global_step += 1

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 import pluggy
 
 from . import hookspecs
-from .catalogue import FIRST_PARTY, provider_of
+from .catalogue import FIRST_PARTY, UNSUPPORTED_OPTIMIZERS, provider_of
 from .errors import ConfigError, PluginError
 
 ENTRY_POINT_GROUP = "engine.plugins"
@@ -139,6 +139,8 @@ class Registry:
         return entry
 
     def unknown_message(self, name: str) -> str:
+        if self.kind == "optimizer" and name in UNSUPPORTED_OPTIMIZERS:
+            return f"{self.config_key}: {name!r} is not supported on this engine: {UNSUPPORTED_OPTIMIZERS[name]}"
         parts = [f"{self.config_key}: unknown {self.kind} {name!r}"]
         provider = provider_of(self.kind, name)
         if provider is not None:

@@ -215,3 +215,22 @@ def test_third_party_package_from_contrib_registers_an_optimizer_and_a_loss(tmp_
     assert with_z > plain  # the z-loss term is added by the plugin's loss
     losses = [e["loss"] for e in run.state.log_history if "loss" in e]
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("name, instead", [
+    ("adamw_torch_xla", "use adamw_torch"), ("adamw_torch_npu_fused", "use adamw_torch or adamw_torch_fused"),
+    ("adamw_apex_fused", "use adamw_torch_fused"), ("adamw_anyprecision", "use adamw_torch with train.bf16 = true")])
+def test_hardware_specific_trainer_optimizers_say_what_to_use_instead(name, instead):
+    with pytest.raises(ConfigError, match=rf"^train\.optim: '{name}' is not supported on this engine: .*{instead}"):
+        Run({"train": {"optim": name}})
+
+
+def test_every_trainer_optimizer_name_is_provided_or_explained():
+    from transformers.training_args import OptimizerNames
+
+    from engine.catalogue import FIRST_PARTY, UNSUPPORTED_OPTIMIZERS
+
+    known = set(Run({}).registries["optimizer"].names()) | set(UNSUPPORTED_OPTIMIZERS)
+    for info in FIRST_PARTY.values():
+        known |= set(info.provides.get("optimizer", ()))
+    assert {name.value for name in OptimizerNames} - known == set()
