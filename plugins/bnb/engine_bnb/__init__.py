@@ -13,8 +13,8 @@ the same arguments, as transformers' ``Trainer`` (``get_optimizer_cls_and_kwargs
 * ``optim_bits`` 8 or 32 from the name, ``is_paged`` for ``paged_*`` names;
 * with 8-bit state, ``nn.Embedding`` weights keep 32-bit state (Trainer's override).
 
-Paged state needs CUDA: on the CPU bitsandbytes keeps ordinary state instead, and this plugin
-says so once per process.
+Paged state needs CUDA: on the CPU the optimizer is built unpaged, and this plugin says so
+once per process.
 """
 
 from __future__ import annotations
@@ -182,12 +182,15 @@ def create(optim: str, run: Any, params: list[dict[str, Any]]) -> torch.optim.Op
     family = FAMILIES[spec.family]
     kwargs = {"lr": train.learning_rate, **family.kwargs(train, optim_args(run)),
               "optim_bits": spec.optim_bits}
-    if family.pageable:
-        kwargs["is_paged"] = spec.is_paged
-    optimizer = getattr(bnb_optim, family.cls)(params, **kwargs)
-    if spec.is_paged and any(p.device.type == "cpu" for group in params for p in group["params"]):
+    paged = spec.is_paged
+    if paged and any(p.device.type == "cpu" for group in params for p in group["params"]):
+        # unpaged outright: bitsandbytes' AdEMAMix asks for managed (CUDA) memory for tensors of
+        # >= 100k elements whatever their device, and fails on a CPU-only build
         _warn_paged_on_cpu(optim)
-        optimizer._cpu_paged_warned = True  # bitsandbytes' own, vaguer warning: ours replaces it
+        paged = False
+    if family.pageable:
+        kwargs["is_paged"] = paged
+    optimizer = getattr(bnb_optim, family.cls)(params, **kwargs)
     if spec.optim_bits == 8 and run.model is not None:
         _embeddings_in_32bit(bnb_optim, run.model)
     return optimizer
