@@ -108,7 +108,7 @@ def _rng_state() -> dict[str, Any]:
         import numpy
     except ImportError:
         return state
-    kind, keys, pos, has_gauss, gauss = numpy.random.get_state()
+    _, keys, pos, has_gauss, gauss = numpy.random.get_state()
     state["numpy"] = {"keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
                       "has_gauss": int(has_gauss), "gauss": float(gauss)}
     return state

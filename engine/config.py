@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union
+
+import tomllib
 
 from .errors import ConfigError
 

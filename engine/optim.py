@@ -103,7 +103,7 @@ def check_optim_args(run: Any, table: dict[str, OptimArg], elsewhere: dict[str, 
                 or not arg.valid(value):
             raise ConfigError(f"train.optim_args: {key} expects {arg.expect or arg.type.__name__}, got {value!r}")
         given[key] = value
-    return {key: given[key] if key in given else arg.default for key, arg in table.items()
+    return {key: given.get(key, arg.default) for key, arg in table.items()
             if key in given or arg.default is not None}
 
 

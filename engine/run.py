@@ -161,7 +161,7 @@ class Run:
         _resolve_defaults(self.config.train)
         _check_values(self.config.train, self.config.data)
         # levels for what configure logs; setup() sets them again from the strategy's ranks
-        setup_logging(self.config.train, int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)))
+        setup_logging(self.config.train, int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")))
 
         self.state = TrainState()
         self.control = Control()

@@ -12,7 +12,7 @@ import engine.checkpoint as ckpt
 from engine import CheckpointError, ConfigError, Run, hookimpl
 from engine.data import DataCollator
 from engine.logs import process_log_level
-from engine.testing import run_steps, tiny_dataset, tiny_model
+from engine.testing import tiny_dataset, tiny_model
 
 
 def _params(model):

@@ -4,8 +4,17 @@ from dataclasses import dataclass
 
 import pytest
 
-from engine.config import (DataConfig, TrainConfig, apply_overrides, compose, from_mapping, option,
-                           parse_value, read_run_file, to_toml)
+from engine.config import (
+    DataConfig,
+    TrainConfig,
+    apply_overrides,
+    compose,
+    from_mapping,
+    option,
+    parse_value,
+    read_run_file,
+    to_toml,
+)
 from engine.errors import ConfigError
 
 

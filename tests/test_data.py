@@ -10,8 +10,17 @@ import pytest
 import torch
 
 from engine.config import DataConfig
-from engine.data import (DataCollator, DocumentDataset, PackedDataset, build_datasets, build_tokenizer,
-                         embedded_corpus, load_tokenizer, read_texts, train_tokenizer)
+from engine.data import (
+    DataCollator,
+    DocumentDataset,
+    PackedDataset,
+    build_datasets,
+    build_tokenizer,
+    embedded_corpus,
+    load_tokenizer,
+    read_texts,
+    train_tokenizer,
+)
 from engine.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,9 +1,9 @@
 """Every first-party plugin folder is a distribution the root extras and the catalogue agree on."""
 
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from engine.catalogue import FIRST_PARTY
 from engine.plugins import describe_installed, installed_plugins

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from engine import hookimpl
-from engine.errors import ConfigError
 from engine.optim import OptimArg, check_optim_args, param_groups
 
 _FLOAT = OptimArg(float)

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
+import engine_lion
 import pytest
 import torch
+from engine_lion import Lion
 
 import engine
 import engine.plugins
 from engine.testing import run_steps, tiny_dataset, tiny_model
-
-import engine_lion
-from engine_lion import Lion
 
 
 def _losses(run):

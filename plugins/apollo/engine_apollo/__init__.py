@@ -16,7 +16,12 @@ import torch
 
 from engine import hookimpl, lowrank
 from engine.errors import ConfigError
-from engine.lowrank import load_checkpoint_state, on_train_end, on_train_start, training_step  # noqa: F401 (hooks)
+from engine.lowrank import (  # noqa: F401 (hooks)
+    load_checkpoint_state,
+    on_train_end,
+    on_train_start,
+    training_step,
+)
 from engine.optim import OptimArg as Arg
 from engine.optim import check_optim_args
 from engine.util import require

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 
+import engine_apollo
 import pytest
 import torch
 
@@ -12,11 +13,9 @@ import engine
 import engine.catalogue
 import engine.plugins
 from engine.errors import ConfigError, MissingDependencyError
+from engine.lowrank import LayerwiseOptimizer
 from engine.strategy import Strategy
 from engine.testing import run_steps, tiny_dataset, tiny_model
-
-import engine_apollo
-from engine.lowrank import LayerwiseOptimizer
 
 TARGETS = [r".*attn.*", r".*mlp.*"]
 ARGS = "rank=4,update_proj_gap=2"

@@ -10,6 +10,7 @@ import sys
 import warnings
 
 import bitsandbytes.optim as bnb_optim
+import engine_bnb
 import pytest
 import torch
 
@@ -17,8 +18,6 @@ import engine
 import engine.plugins
 from engine import hookimpl
 from engine.testing import run_steps, tiny_dataset, tiny_model
-
-import engine_bnb
 
 NAMES = list(engine_bnb.OPTIMIZERS)
 CLASSES = {"adamw": bnb_optim.AdamW, "lion": bnb_optim.Lion, "rmsprop": bnb_optim.RMSprop,

@@ -6,19 +6,18 @@ import io
 import logging
 import sys
 
+import engine_galore
 import pytest
 import torch
 
 import engine
 import engine.catalogue
 import engine.plugins
+from engine import lowrank
 from engine.errors import ConfigError, MissingDependencyError
+from engine.lowrank import LayerwiseOptimizer
 from engine.strategy import Strategy
 from engine.testing import run_steps, tiny_dataset, tiny_model
-
-import engine_galore
-from engine import lowrank
-from engine.lowrank import LayerwiseOptimizer
 
 TARGETS = [r".*attn.*", r".*mlp.*"]
 ARGS = "rank=4,update_proj_gap=50,scale=0.5,proj_type=std"

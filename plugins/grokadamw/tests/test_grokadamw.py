@@ -6,16 +6,15 @@ import io
 import sys
 import types
 
+import engine_grokadamw
 import grokadamw
 import pytest
 import torch
+from engine_grokadamw.optimizer import GrokAdamW, LossGap
 
 import engine
 import engine.plugins
 from engine.testing import run_steps, tiny_dataset, tiny_model
-
-import engine_grokadamw
-from engine_grokadamw.optimizer import GrokAdamW, LossGap
 
 # the library enters torch.cuda.amp.autocast() for every parameter update
 pytestmark = [pytest.mark.filterwarnings("ignore:`torch.cuda.amp.autocast"),

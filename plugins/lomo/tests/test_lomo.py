@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import sys
 
+import engine_lomo
 import lomo_optim
 import pytest
 import torch
+from engine_lomo import fused
 
 import engine
 import engine.plugins
 from engine import hookimpl
 from engine.testing import run_steps, tiny_dataset, tiny_model
-
-import engine_lomo
-from engine_lomo import fused
 
 
 def _losses(run):

@@ -7,6 +7,7 @@ import copy
 import logging
 import sys
 
+import engine_optimi
 import pytest
 import torch
 from optimi import StableAdamW
@@ -15,8 +16,6 @@ import engine
 import engine.plugins
 from engine import hookimpl
 from engine.testing import run_steps, tiny_dataset, tiny_model
-
-import engine_optimi
 
 # Non-default values everywhere, so a value taken from the wrong place shows.
 TRAIN = {"learning_rate": 3e-3, "weight_decay": 0.1, "adam_beta1": 0.8, "adam_beta2": 0.95, "adam_epsilon": 1e-6}

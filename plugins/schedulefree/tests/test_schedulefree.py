@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 
+import engine_schedulefree
 import pytest
 import schedulefree
 import torch
@@ -13,8 +14,6 @@ from safetensors.torch import load_file
 import engine
 import engine.plugins
 from engine.testing import run_steps, tiny_dataset, tiny_model
-
-import engine_schedulefree
 
 NAMES = {"schedule_free_adamw": schedulefree.AdamWScheduleFree, "schedule_free_sgd": schedulefree.SGDScheduleFree,
          "schedule_free_radam": schedulefree.RAdamScheduleFree}

@@ -71,7 +71,8 @@ def optim_kwargs(run: Any) -> dict[str, Any]:
 def _cpu_compiler_missing() -> str | None:
     """Why torch.compile cannot build CPU kernels here (no C++ compiler), or None."""
     try:
-        from torch._inductor import config as inductor_config, cpp_builder, exc
+        from torch._inductor import config as inductor_config
+        from torch._inductor import cpp_builder, exc
     except ImportError:  # another torch layout: let torch.compile speak for itself
         return None
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 
+import engine_torchao
 import pytest
 import torch
 from torchao.optim import AdamW4bit, AdamW8bit
@@ -20,8 +21,6 @@ import engine
 import engine.plugins
 from engine import hookimpl
 from engine.testing import run_steps, tiny_dataset, tiny_model
-
-import engine_torchao
 
 NAMES = {"adamw_torch_4bit": (AdamW4bit, OptimState4bit), "adamw_torch_8bit": (AdamW8bit, OptimState8bit)}
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"  # 4096 elements: quantized state
