@@ -92,6 +92,8 @@ def register_optimizers(register: Callable[..., None]) -> None:
     returns a ``torch.optim.Optimizer``; ``params`` are the parameter groups from
     :func:`engine.optim.param_groups` (weight decay split). A name registered by two enabled
     plugins is an error naming both; an enabled plugin's name replaces a builtin one.
+    ``register(name, factory, takes_target_modules=True)`` marks an optimizer that uses
+    ``train.optim_target_modules`` (GaLore, APOLLO); for any other the engine refuses it.
 
     Example::
 

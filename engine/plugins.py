@@ -102,6 +102,7 @@ class RegistryEntry:
     name: str
     factory: Callable[..., Any]
     plugin: str
+    takes_target_modules: bool = False  # optimizers: uses train.optim_target_modules
 
 
 class Registry:
@@ -115,7 +116,7 @@ class Registry:
     def callback(self, plugin: str) -> Callable[..., None]:
         """The ``register(name, factory)`` function handed to ``plugin``'s register hook."""
 
-        def register(name: str, factory: Callable[..., Any]) -> None:
+        def register(name: str, factory: Callable[..., Any], *, takes_target_modules: bool = False) -> None:
             if not isinstance(name, str) or not callable(factory):
                 raise PluginError(f"plugin {plugin!r}: register(name: str, factory: callable) "
                                   f"got ({name!r}, {factory!r})")
@@ -125,7 +126,7 @@ class Registry:
                     raise PluginError(f"{self.kind} {name!r} is registered by both plugin "
                                       f"{current.plugin!r} and plugin {plugin!r}; disable one")
                 return  # a builtin never replaces an enabled plugin's entry
-            self.entries[name] = RegistryEntry(name, factory, plugin)
+            self.entries[name] = RegistryEntry(name, factory, plugin, takes_target_modules)
 
         return register
 

@@ -91,3 +91,11 @@ def test_tied_weight_is_named_once():
     # lm_head's weight is listed by named_parameters as the embedding's: Trainer leaves it out
     with pytest.raises(ConfigError, match=r"selects only nn\.Linear weights tied .*\(lm_head\.weight\)"):
         target_linear_parameters(tied, ["lm_head"])
+
+
+def test_an_optimizer_without_target_modules_refuses_them():
+    from engine import Run
+
+    with pytest.raises(ConfigError, match=r"^train\.optim_target_modules: adamw_torch optimizes every parameter and "
+                                          r"takes no target modules \(GaLore and APOLLO names do\)"):
+        Run({"train": {"optim": "adamw_torch", "optim_target_modules": ["mlp"]}})

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from engine import hookimpl
+from engine.errors import ConfigError
 from engine.optim import OptimArg, check_optim_args, param_groups
 
 _FLOAT = OptimArg(float)
@@ -68,9 +69,13 @@ def register_optimizers(register):
 
 @hookimpl
 def configure(run):
-    entry = run.registries["optimizer"].get(run.config.train.optim)
+    train = run.config.train
+    entry = run.registries["optimizer"].get(train.optim)
     if entry.plugin == "builtin.optimizers":
         _optim_args(run)  # refuse bad optim_args now, not after the model loaded
+    if train.optim_target_modules is not None and not entry.takes_target_modules:  # Trainer ignores it
+        raise ConfigError(f"train.optim_target_modules: {train.optim} optimizes every parameter and takes no "
+                          "target modules (GaLore and APOLLO names do); remove optim_target_modules")
 
 
 @hookimpl(trylast=True)

@@ -80,7 +80,7 @@ def create_apollo(run: Any, params: Any) -> torch.optim.Optimizer:
 @hookimpl
 def register_optimizers(register):
     for optim in NAMES:
-        register(optim, create_apollo)
+        register(optim, create_apollo, takes_target_modules=True)
 
 
 @hookimpl

@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 from engine import hookimpl
-from engine.errors import ConfigError
 from engine.optim import OptimArg, check_optim_args
 from engine.util import require
 
@@ -209,6 +208,3 @@ def configure(run):
         return
     _bnb_optim(train.optim)
     optim_args(run)
-    if train.optim_target_modules is not None:  # Trainer ignores it for these names
-        raise ConfigError(f"train.optim_target_modules: {train.optim} optimizes every parameter and takes no "
-                          "target modules (GaLore and APOLLO names do); remove optim_target_modules")

@@ -71,7 +71,7 @@ def create_galore(run: Any, params: Any) -> torch.optim.Optimizer:
 @hookimpl
 def register_optimizers(register):
     for optim in NAMES:
-        register(optim, create_galore)
+        register(optim, create_galore, takes_target_modules=True)
 
 
 @hookimpl

@@ -62,10 +62,6 @@ def configure(run):
         return
     _optimi(train.optim)
     optim_kwargs(run)
-    if train.optim_target_modules is not None:  # Trainer ignores it for this name
-        raise engine.ConfigError(
-            f"train.optim_target_modules: {train.optim} optimizes every parameter and takes no target "
-            "modules (GaLore and APOLLO names do); remove optim_target_modules")
 
 
 def create_stable_adamw(run: Any, params: list[dict[str, Any]]) -> torch.optim.Optimizer:

@@ -89,10 +89,6 @@ def configure(run):
         return
     _optim_module(train.optim)
     optim_kwargs(run)
-    if train.optim_target_modules is not None:  # Trainer ignores it for these names
-        raise engine.ConfigError(
-            f"train.optim_target_modules: {train.optim} optimizes every parameter and takes no target "
-            "modules (GaLore and APOLLO names do); remove optim_target_modules")
     if train.use_cpu or not torch.cuda.is_available():
         missing = _cpu_compiler_missing()
         if missing is not None:
