@@ -50,9 +50,9 @@ from safetensors.torch import load_file
 
 import engine
 from engine import checkpoint
+from engine.config import default_run_mapping
 from engine.data import DataCollator
 from engine.models import build_model
-from engine.run import default_run_mapping
 from engine.testing import tiny_dataset
 
 LEARNING_RATE, MAX_STEPS, BATCH_SIZE, SEQ_LEN = 1e-3, 10, 4, 64

@@ -1,4 +1,4 @@
-"""Checkpoints: ``output_dir/checkpoint-<step>/``, written atomically, loaded without unpickling.
+"""Checkpoints and the final model: written atomically, checksummed, loaded without unpickling.
 
 Layout (Hugging Face compatible)::
 
@@ -12,63 +12,163 @@ Layout (Hugging Face compatible)::
                                           (seed, epoch, step), recorded in trainer_state.json
         engine_state.pt                   strategy state + each plugin's checkpoint_state
         trainer_state.json                TrainState (step, epoch, log history, best metric
-                                          and checkpoint), enabled plugins, data order
+                                          and checkpoint), enabled plugins, data order, the
+                                          composed config
         tokenizer files                   when the run has a tokenizer
-        checkpoint_complete               written last
+        checkpoint_complete               the manifest, written last: run id, step, and each
+                                          file's size and CRC-32
 
-Crash safety: everything is written into ``.tmp-checkpoint-<step>`` and renamed into place,
-so a folder named ``checkpoint-<step>`` is always complete (the marker guards against copies).
+    output_dir/                           the final model: the same model files, and
+        model_complete                    its manifest, written last
+
+Crash safety: a checkpoint is written into ``.tmp-checkpoint-<step>`` and renamed into place,
+so a folder named ``checkpoint-<step>`` is always complete (the manifest guards against copies).
 A folder is deleted (rotation, overwrite) by first renaming it to ``.deleting-<name>``, so a
-kill in the middle of a deletion never leaves a half-deleted ``checkpoint-<step>``. Leftover
-``.tmp-`` / ``.deleting-`` folders of a killed run are removed when the next run starts.
+kill in the middle of a deletion never leaves a half-deleted ``checkpoint-<step>``. The final
+model is written into ``.tmp-final-model``, then its files are moved into ``output_dir``, the
+manifest last: a folder without ``model_complete`` holds no final model. Leftovers of a killed
+run are removed (a half-moved final model rolled back) when the next run starts.
 
-Resume validates the checkpoint before the model is built (files present, plugin set, data
-order, no truncated weights or state files) and restores it after.
+Before anything is written, the weights are checked to be finite: a diverged run never leaves
+nan on disk. Resume validates the checkpoint before the model is built (files present, plugin
+set, data order, optimizer name, every checksum) and restores it after, applying the
+hyper-parameters that changed since (learning rate, schedule, weight decay, betas, epsilon).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import random
 import re
 import shutil
+import warnings
 import zipfile
+import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import CheckpointError, ConfigError
+from .config import START_KEYS
+from .errors import CheckpointError, ConfigError, TrainingDiverged
+from .layout import (
+    DELETING,
+    FINAL_MARKER,
+    FINAL_TMP,
+    MARKER,
+    PREFIX,
+    RECORD,
+    TMP,
+    WEIGHTS,
+    WEIGHTS_INDEX,
+)
+from .util import dumps_json
 
 if TYPE_CHECKING:
     from .run import Run
 
 logger = logging.getLogger("engine")
 
-PREFIX = "checkpoint-"
-TMP = ".tmp-"
-DELETING = ".deleting-"
-MARKER = "checkpoint_complete"
-WEIGHTS = "model.safetensors"
-WEIGHTS_INDEX = "model.safetensors.index.json"
 PROGRESS_FIELDS = ("global_step", "epoch", "num_input_tokens_seen", "log_history", "best_metric",
-                   "best_global_step", "best_model_checkpoint")
+                   "best_global_step", "best_model_checkpoint", "num_skipped_steps")
 REQUIRED = ("trainer_state.json", "optimizer.pt", "scheduler.pt", "engine_state.pt")
 # [train] keys that fix which sample comes at which step: a resume with other values would
 # not continue the same run, so it is refused
 DATA_ORDER_KEYS = ("seed", "per_device_train_batch_size", "gradient_accumulation_steps")
+# config keys whose change on resume means the saved scheduler state is stale: a fresh
+# scheduler from the current config is advanced to the resumed step instead
+SCHEDULE_KEYS = ("train.learning_rate", "train.lr_scheduler_type", "train.lr_scheduler_kwargs",
+                 "train.warmup_steps", "train.warmup_ratio", "train.max_steps", "train.num_train_epochs")
+# config key -> optimizer param-group keys it sets; a change is copied from the freshly built
+# optimizer into the restored one (the learning rate through initial_lr and the scheduler)
+GROUP_KEYS = {"train.learning_rate": ("initial_lr",), "train.weight_decay": ("weight_decay",),
+              "train.adam_beta1": ("betas",), "train.adam_beta2": ("betas",), "train.adam_epsilon": ("eps",)}
+_CHUNK = 8 << 20
 
 
 def _rng_file(rank: int) -> str:
     return "rng_state.pt" if rank == 0 else f"rng_state_{rank}.pt"
 
 
-def list_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints in ``output_dir``, oldest first."""
+# ---------------------------------------------------------------------------- manifests
+
+
+def _crc32(path: Path) -> str:
+    crc = 0
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as handle:
+        while size := handle.readinto(buffer):
+            crc = zlib.crc32(view[:size], crc)  # releases the GIL: files hash in parallel
+    return f"{crc:08x}"
+
+
+def _checksums(folder: Path, names: list[str]) -> dict[str, str]:
+    largest_first = sorted(names, key=lambda name: -(folder / name).stat().st_size)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        return dict(zip(largest_first, pool.map(lambda name: _crc32(folder / name), largest_first)))
+
+
+def write_manifest(folder: Path, marker: str, **fields: Any) -> None:
+    """Write ``folder/marker``: ``fields`` plus every other file's size and CRC-32. Call it last."""
+    names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.name != marker)
+    sums = _checksums(folder, names)
+    files = {name: {"bytes": (folder / name).stat().st_size, "crc32": sums[name]} for name in names}
+    (folder / marker).write_text(dumps_json({**fields, "files": files}, indent=1), encoding="utf-8")
+
+
+def read_manifest(folder: Path, marker: str = MARKER) -> dict[str, Any]:
+    """The manifest ``folder/marker`` as written by :func:`write_manifest`."""
+    try:
+        manifest = json.loads((folder / marker).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{folder}: {marker} is missing (not a complete save)") from None
+    except (ValueError, UnicodeDecodeError):
+        raise CheckpointError(f"{folder}: {marker} is not valid JSON (a damaged save)") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"{folder}: {marker} is not an engine manifest (no file list)")
+    return manifest
+
+
+def verify_manifest(folder: Path, marker: str = MARKER, names: list[str] | None = None) -> None:
+    """Check that the files a manifest lists (or ``names`` of them) are there with their size and CRC-32."""
+    files = read_manifest(folder, marker)["files"]
+    wanted = list(files) if names is None else names
+    for name in wanted:
+        entry = files.get(name)
+        path = folder / name
+        if entry is None:
+            raise CheckpointError(f"{folder}: {name} is not in its manifest ({marker})")
+        if not path.is_file():
+            raise CheckpointError(f"{folder}: {name} is missing")
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointError(f"{folder}: {name} is truncated or padded ({size} bytes, saved with {entry['bytes']})")
+    for name, crc in _checksums(folder, wanted).items():
+        if crc != files[name]["crc32"]:
+            raise CheckpointError(f"{folder}: {name} does not match its checksum (its bytes changed after the "
+                                  "save); use another checkpoint")
+
+
+def final_model_files(folder: Path) -> list[str]:
+    """The files of the final model in ``folder`` (from its manifest; [] when there is none)."""
+    try:
+        return list(read_manifest(folder, FINAL_MARKER)["files"])
+    except CheckpointError:
+        return []
+
+
+# ---------------------------------------------------------------------------- folders
+
+
+def list_checkpoints(output_dir: str | Path, run_id: str | None = None) -> list[Path]:
+    """Complete checkpoints in ``output_dir``, oldest first; with ``run_id``, only that run's."""
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         return []
@@ -76,24 +176,44 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     for path in output_dir.iterdir():
         match = re.fullmatch(PREFIX + r"(\d+)", path.name)
         if match and (path / MARKER).is_file():
+            if run_id is not None:
+                try:
+                    if read_manifest(path).get("run_id") != run_id:
+                        continue
+                except CheckpointError:
+                    continue
             found.append((int(match.group(1)), path))
     return [path for _, path in sorted(found)]
 
 
 def remove_partial(output_dir: Path) -> None:
-    """Delete what a killed run left half written or half deleted."""
-    if output_dir.is_dir():
-        for path in output_dir.iterdir():
-            if path.name.startswith((TMP + PREFIX, DELETING + PREFIX)):
-                shutil.rmtree(path, ignore_errors=True)
+    """Delete what a killed run left half written or half deleted; roll back a half-moved final model."""
+    if not output_dir.is_dir():
+        return
+    final_tmp = output_dir / FINAL_TMP
+    if (final_tmp / FINAL_MARKER).is_file() and not (output_dir / FINAL_MARKER).is_file():
+        # killed while moving the final model in (its manifest in the temporary folder is
+        # complete then): remove the files that had been moved
+        with contextlib.suppress(CheckpointError):
+            for name in read_manifest(final_tmp, FINAL_MARKER)["files"]:
+                if not (final_tmp / name).exists():
+                    (output_dir / name).unlink(missing_ok=True)
+    for path in output_dir.iterdir():
+        if path.name.startswith((TMP, DELETING)) and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
 
 
-def _delete(path: Path) -> None:
+def delete_folder(path: Path) -> None:
     """Remove a checkpoint folder so that no kill can leave it half deleted under its name."""
     trash = path.with_name(DELETING + path.name)
     shutil.rmtree(trash, ignore_errors=True)
     os.replace(path, trash)
     shutil.rmtree(trash)
+
+
+def _write_error(what: str, folder: Path, exc: OSError) -> CheckpointError:
+    return CheckpointError(f"cannot write {what} in {folder}: {exc.strerror or exc}"
+                           f"{f' ({exc.filename})' if exc.filename else ''}; the checkpoints saved before are intact")
 
 
 # ---------------------------------------------------------------------------- RNG
@@ -169,6 +289,29 @@ def write_model(run: Run, folder: Path, model_state: dict[str, torch.Tensor]) ->
         run.tokenizer.save_pretrained(folder)
 
 
+def check_finite_weights(run: Run, model_state: dict[str, torch.Tensor], what: str) -> None:
+    """Refuse to save non-finite weights: the run diverged (one host sync for all tensors)."""
+    floats = [(name, t) for name, t in model_state.items() if t.is_floating_point()]
+    if not floats:
+        return
+    finite = torch.stack([torch.isfinite(t).all() for _, t in floats])
+    if bool(finite.all()):
+        return
+    bad = [name for (name, _), ok in zip(floats, finite.tolist()) if not ok]
+    raise diverged(run, f"{len(bad)} weight tensor(s) hold nan or inf ({', '.join(bad[:3])}"
+                        f"{' ...' if len(bad) > 3 else ''}), so {what} was not saved")
+
+
+def diverged(run: Run, what: str, step: int | None = None) -> TrainingDiverged:
+    """The error that stops a diverged run: what went wrong, at which step, and what is left on disk."""
+    saved = list_checkpoints(run.output_dir, run.run_id)
+    kept = f"the last checkpoint, {saved[-1]}, was saved before" if saved else "no checkpoint was saved"
+    return TrainingDiverged(
+        f"training diverged at step {run.state.global_step if step is None else step}: {what}; {kept}. "
+        "Lower train.learning_rate "
+        "(or raise warmup), or set train.on_nonfinite = 'skip' to skip non-finite steps")
+
+
 def _weight_files(folder: Path) -> list[Path]:
     """The safetensors files of a model folder (one file, or the shards an index names)."""
     if (folder / WEIGHTS_INDEX).is_file():
@@ -180,21 +323,50 @@ def _weight_files(folder: Path) -> list[Path]:
 def _check_safetensors(path: Path) -> None:
     """Refuse a missing or truncated safetensors file from its header, without loading it."""
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {path.parent}: {path.name} is missing")
+        raise CheckpointError(f"{path.parent}: {path.name} is missing")
     size = path.stat().st_size
     with open(path, "rb") as handle:
         prefix = handle.read(8)
         header_len = int.from_bytes(prefix, "little") if len(prefix) == 8 else size
         if 8 + header_len > size:
-            raise CheckpointError(f"checkpoint {path.parent}: {path.name} is truncated ({size} bytes)")
+            raise CheckpointError(f"{path.parent}: {path.name} is truncated ({size} bytes)")
         try:
             header = json.loads(handle.read(header_len))
         except ValueError:
-            raise CheckpointError(f"checkpoint {path.parent}: {path.name} is not a safetensors file") from None
+            raise CheckpointError(f"{path.parent}: {path.name} is not a safetensors file") from None
     data_end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
     if 8 + header_len + data_end != size:
-        raise CheckpointError(f"checkpoint {path.parent}: {path.name} is truncated or padded "
+        raise CheckpointError(f"{path.parent}: {path.name} is truncated or padded "
                               f"({size} bytes, header says {8 + header_len + data_end})")
+
+
+def check_model_folder(folder: Path, key: str) -> None:
+    """Refuse a model folder (``key`` names where it came from) whose weights are missing or damaged.
+
+    A folder the engine wrote is checked against its manifest (sizes and checksums); any other
+    against its safetensors headers. A run folder whose final save did not finish is refused.
+    """
+    for marker in (FINAL_MARKER, MARKER):
+        if (folder / marker).is_file():
+            try:
+                verify_manifest(folder, marker)
+            except CheckpointError as exc:
+                raise CheckpointError(f"{key}: {exc}") from None
+            return
+    if (folder / RECORD).is_file() or (folder / FINAL_TMP).exists():
+        saved = list_checkpoints(folder)
+        hint = f"; use one of its checkpoints, e.g. {saved[-1]}" if saved else ""
+        raise ConfigError(f"{key}: {folder} holds no complete final model (the run's save did not finish){hint}")
+    names = ("model.safetensors", WEIGHTS_INDEX, "pytorch_model.bin", "pytorch_model.bin.index.json")
+    if not any((folder / name).is_file() for name in names):
+        raise ConfigError(f"{key}: {folder} has config.json but no weights ({', '.join(names)}); to train from "
+                          f"random weights, name the config file: train.model = '{folder / 'config.json'}'")
+    if (folder / WEIGHTS).is_file() or (folder / WEIGHTS_INDEX).is_file():
+        for path in _weight_files(folder):
+            try:
+                _check_safetensors(path)
+            except CheckpointError as exc:
+                raise CheckpointError(f"{key}: {exc}") from None
 
 
 def load_weights(model: torch.nn.Module, folder: str | Path, device: Any = "cpu") -> None:
@@ -245,11 +417,17 @@ def metric_value(run: Run, metrics: dict[str, float]) -> float:
     if name not in metrics:
         raise ConfigError(f"train.metric_for_best_model: {name!r} is not among the evaluation metrics "
                           f"({', '.join(sorted(metrics))})")
-    return float(metrics[name])
+    value = metrics[name]
+    return float(value) if value is not None else math.nan
 
 
 def improves(run: Run, value: float, reference: float | None, threshold: float = 0.0) -> bool:
-    """Whether ``value`` beats ``reference`` by more than ``threshold`` in the configured direction."""
+    """Whether ``value`` beats ``reference`` by more than ``threshold`` in the configured direction.
+
+    A non-finite value (a nan evaluation) never improves on anything.
+    """
+    if not math.isfinite(value):
+        return False
     if reference is None:
         return True
     gain = value - reference if run.config.train.greater_is_better else reference - value
@@ -262,12 +440,15 @@ def note_evaluation(run: Run, metrics: dict[str, float]) -> None:
         return
     value = metric_value(run, metrics)
     state = run.state
-    if improves(run, value, state.best_metric):
+    if not math.isfinite(value):
+        logger.warning("%s is %s at step %d: not a candidate for the best model", best_metric_name(run), value,
+                       state.global_step)
+    elif improves(run, value, state.best_metric):
         state.best_metric, state.best_global_step = value, state.global_step
 
 
 def _rotate(run: Run) -> None:
-    """Delete the oldest checkpoints beyond ``save_total_limit``, never the best one.
+    """Delete this run's oldest checkpoints beyond ``save_total_limit``, never the best one.
 
     As in Trainer: the best checkpoint is kept in the second-newest slot, so with a limit of 1
     and a best that is not the newest, two are kept.
@@ -275,7 +456,7 @@ def _rotate(run: Run) -> None:
     limit = run.config.train.save_total_limit
     if not limit:
         return
-    ordered = list_checkpoints(run.output_dir)
+    ordered = list_checkpoints(run.output_dir, run.run_id)
     best = run.state.best_model_checkpoint
     best_path = next((p for p in ordered if str(p) == best), None)
     if best_path is not None and best_path != ordered[-1]:
@@ -283,7 +464,7 @@ def _rotate(run: Run) -> None:
         ordered.insert(len(ordered) - 1, best_path)
         limit = max(limit, 2)
     for path in ordered[: max(0, len(ordered) - limit)]:
-        _delete(path)
+        delete_folder(path)
 
 
 # ---------------------------------------------------------------------------- save
@@ -295,30 +476,38 @@ def save(run: Run) -> Path:
     run.hook.on_eval_mode(run=run)
     final = run.output_dir / f"{PREFIX}{state.global_step}"
     tmp = run.output_dir / f"{TMP}{final.name}"
-    if state.best_global_step == state.global_step:
-        state.best_model_checkpoint = str(final)
     plugin_states = run.plugin_manager.per_plugin("checkpoint_state", run=run)
     model_state = strategy.model_state_dict(run.model)
     optimizer_state = strategy.optimizer_state_dict(run.optimizer)
     if strategy.is_main_process:
+        check_finite_weights(run, model_state, final.name)
+    if state.best_global_step == state.global_step:
+        state.best_model_checkpoint = str(final)
+    if strategy.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     strategy.barrier()
-    torch.save(_rng_state(), tmp / _rng_file(strategy.rank))
-    strategy.barrier()
+    try:
+        torch.save(_rng_state(), tmp / _rng_file(strategy.rank))
+        strategy.barrier()
+        if strategy.is_main_process:
+            write_model(run, tmp, model_state)
+            torch.save(optimizer_state, tmp / "optimizer.pt")
+            torch.save(run.scheduler.state_dict(), tmp / "scheduler.pt")
+            torch.save({"strategy": strategy.state_dict(), "plugins": plugin_states}, tmp / "engine_state.pt")
+            train = run.config.train
+            trainer_state = {**dataclasses.asdict(state), "plugins": list(run.config.plugins),
+                             "world_size": strategy.world_size,
+                             "data_order": {key: getattr(train, key) for key in DATA_ORDER_KEYS},
+                             "config": run.config.to_mapping()}
+            (tmp / "trainer_state.json").write_text(dumps_json(trainer_state, indent=2), encoding="utf-8")
+            write_manifest(tmp, MARKER, run_id=run.run_id, step=state.global_step)
+    except OSError as exc:  # disk full, quota, permissions: the previous checkpoints stay as they were
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _write_error(final.name, run.output_dir, exc) from None
     if strategy.is_main_process:
-        write_model(run, tmp, model_state)
-        torch.save(optimizer_state, tmp / "optimizer.pt")
-        torch.save(run.scheduler.state_dict(), tmp / "scheduler.pt")
-        torch.save({"strategy": strategy.state_dict(), "plugins": plugin_states}, tmp / "engine_state.pt")
-        train = run.config.train
-        trainer_state = {**dataclasses.asdict(state), "plugins": list(run.config.plugins),
-                         "world_size": strategy.world_size,
-                         "data_order": {key: getattr(train, key) for key in DATA_ORDER_KEYS}}
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
-        (tmp / MARKER).write_text("")
         if final.exists():
-            _delete(final)
+            delete_folder(final)
         os.replace(tmp, final)
         _rotate(run)
     strategy.barrier()
@@ -329,11 +518,35 @@ def save(run: Run) -> Path:
 
 
 def save_final_model(run: Run) -> None:
-    """The trained model (and tokenizer) in ``output_dir``, loadable with ``from_pretrained``."""
+    """The trained model (and tokenizer) in ``output_dir``, loadable with ``from_pretrained``.
+
+    Written into ``.tmp-final-model`` with its manifest, then moved into ``output_dir`` file by
+    file, the manifest (``model_complete``) last: without it the folder holds no final model.
+    """
     model_state = run.strategy.model_state_dict(run.model)
     if run.strategy.is_main_process:
-        write_model(run, run.output_dir, model_state)
-        logger.info("saved the final model to %s", run.output_dir)
+        check_finite_weights(run, model_state, "the final model")
+        out = run.output_dir
+        tmp = out / FINAL_TMP
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            write_model(run, tmp, model_state)
+            write_manifest(tmp, FINAL_MARKER, run_id=run.run_id, step=run.state.global_step)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise _write_error("the final model", out, exc) from None
+        previous = final_model_files(out)
+        (out / FINAL_MARKER).unlink(missing_ok=True)
+        names = sorted(p.name for p in tmp.iterdir() if p.name != FINAL_MARKER)
+        for name in names:
+            if (out / name).is_dir():
+                delete_folder(out / name)
+            os.replace(tmp / name, out / name)
+        os.replace(tmp / FINAL_MARKER, out / FINAL_MARKER)
+        for name in set(previous) - set(names):  # e.g. the shards of a larger earlier save
+            (out / name).unlink(missing_ok=True)
+        tmp.rmdir()
+        logger.info("saved the final model to %s", out)
     run.strategy.barrier()
 
 
@@ -344,6 +557,7 @@ def load_best_model(run: Run) -> None:
         logger.warning("load_best_model_at_end: no checkpoint was saved after an evaluation; "
                        "keeping the last weights")
         return
+    check_model_folder(Path(best), "load_best_model_at_end")
     run.strategy.load_model_weights(run.model, Path(best))
     logger.info("loaded the best model from %s (%s = %s)", best, best_metric_name(run), run.state.best_metric)
 
@@ -351,16 +565,18 @@ def load_best_model(run: Run) -> None:
 # ---------------------------------------------------------------------------- resume
 
 
-def find_resume_checkpoint(run: Run) -> Path | None:
+def find_resume_checkpoint(run: Run, folder_run_id: str | None) -> Path | None:
     """The checkpoint ``train.resume_from_checkpoint`` names, validated; None to start fresh.
 
-    Runs before the model is built, so a bad checkpoint stops the run before anything loads.
+    ``true`` takes the newest complete checkpoint of the run recorded in output_dir
+    (``folder_run_id``; any run's when the folder has no record). Runs before the model is
+    built, so a bad checkpoint stops the run before anything loads.
     """
     spec = run.config.train.resume_from_checkpoint
     if spec is None or spec is False:
         return None
     if spec is True:
-        found = list_checkpoints(run.output_dir)
+        found = list_checkpoints(run.output_dir, folder_run_id)
         if not found:
             logger.info("resume_from_checkpoint = true but %s holds no checkpoint; starting from scratch",
                         run.output_dir)
@@ -398,13 +614,26 @@ def validate(run: Run, path: Path) -> None:
         raise CheckpointError(f"resume_from_checkpoint: {path} was trained with a different data order: "
                               f"{'; '.join(changed)}. Resume with the checkpoint's values, or start a "
                               "fresh output_dir")
+    saved_optim = trainer_state.get("config", {}).get("train", {}).get("optim")
+    if saved_optim != train.optim and not train.reset_optimizer:
+        raise CheckpointError(
+            f"resume_from_checkpoint: {path} was trained with train.optim = {saved_optim!r}, this run asks for "
+            f"{train.optim!r}, whose state cannot be restored from it; resume with train.optim = {saved_optim!r}, "
+            f"or keep the weights and start {train.optim!r} fresh with train.reset_optimizer = true")
     for weights_file in _weight_files(path):
-        _check_safetensors(weights_file)
+        try:
+            _check_safetensors(weights_file)
+        except CheckpointError as exc:
+            raise CheckpointError(f"checkpoint {exc}") from None
     for name in [*REQUIRED[1:], *(p.name for p in path.glob("rng_state*.pt"))]:
         try:  # torch.save files are zip archives: a truncated one has no central directory
             zipfile.ZipFile(path / name).close()
         except (zipfile.BadZipFile, OSError) as exc:
             raise CheckpointError(f"checkpoint {path}: {name} is truncated or corrupt ({exc})") from None
+    try:
+        verify_manifest(path)
+    except CheckpointError as exc:
+        raise CheckpointError(f"checkpoint {exc}") from None
 
 
 def _load(path: Path, name: str, device: Any = "cpu") -> Any:
@@ -414,31 +643,95 @@ def _load(path: Path, name: str, device: Any = "cpu") -> Any:
         raise CheckpointError(f"checkpoint {path}: cannot load {name}: {exc}") from None
 
 
+def _flat(mapping: dict[str, Any]) -> dict[str, Any]:
+    """A composed config as {"section.key": value}, in JSON's types (as saved in checkpoints)."""
+    mapping = json.loads(dumps_json(mapping))
+    return {f"{section}.{key}": value for section, values in mapping.items() if isinstance(values, dict)
+            for key, value in values.items()}
+
+
+def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(key, checkpoint value, current value) for every config key that differs, start keys aside."""
+    before, after = _flat(saved), _flat(current)
+    skip = {f"train.{key}" for key in START_KEYS}
+    return [(key, before.get(key), after.get(key)) for key in sorted(before.keys() | after.keys())
+            if key not in skip and before.get(key) != after.get(key)]
+
+
+def _apply_to_optimizer(optimizer: torch.optim.Optimizer, fresh: list[dict[str, Any]],
+                        changes: list[tuple[str, Any, Any]]) -> dict[str, str]:
+    """Copy the param-group values that changed config keys set from the fresh optimizer into the restored one.
+
+    Returns a note for each changed optimizer key that this optimizer does not use.
+    """
+    from .optim import parse_optim_args
+
+    notes = {}
+    for key, old, new in changes:
+        group_keys = GROUP_KEYS.get(key, ())
+        if key == "train.optim_args":
+            group_keys = tuple(parse_optim_args(old).keys() | parse_optim_args(new).keys())
+        if not group_keys:
+            continue
+        used = False
+        for group, fresh_group in zip(optimizer.param_groups, fresh):
+            for name in group_keys:
+                if name in fresh_group:
+                    group[name] = fresh_group[name]
+                    used = True
+        if not used:
+            notes[key] = f"not used by {type(optimizer).__name__}"
+    return notes
+
+
+def _advance(scheduler: Any, steps: int) -> None:
+    """Step a freshly built scheduler to ``steps``: the schedule continues where the run is."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()": on purpose
+        for _ in range(steps):
+            scheduler.step()
+
+
 def load(run: Run, path: str | Path) -> None:
     """Restore weights, optimizer, scheduler, RNG, state and plugin states from ``path``.
 
-    ``path`` has passed :func:`validate`; the run is set up.
+    ``path`` has passed :func:`validate`; the run is set up. Hyper-parameters changed since the
+    checkpoint are applied to the restored optimizer and scheduler and listed in one line.
     """
     path = Path(path)
     trainer_state = json.loads((path / "trainer_state.json").read_text())
-    strategy = run.strategy
+    strategy, train = run.strategy, run.config.train
     if trainer_state["world_size"] != strategy.world_size:
         raise CheckpointError(f"resume_from_checkpoint: {path} was made by {trainer_state['world_size']} "
                               f"processes, this run has {strategy.world_size}")
     if trainer_state["steps_per_epoch"] != run.state.steps_per_epoch:
         raise CheckpointError(f"resume_from_checkpoint: {path} had {trainer_state['steps_per_epoch']} steps "
                               f"per epoch, this run has {run.state.steps_per_epoch}: the train data changed")
+    changes = config_changes(trainer_state.get("config", {}), run.config.to_mapping())
     strategy.load_model_weights(run.model, path)
-    strategy.load_optimizer_state_dict(run.optimizer, _load(path, "optimizer.pt", strategy.device))
-    run.scheduler.load_state_dict(_load(path, "scheduler.pt"))
+    notes = {}
+    if not train.reset_optimizer:
+        fresh = [{k: v for k, v in group.items() if k != "params"} for group in run.optimizer.param_groups]
+        strategy.load_optimizer_state_dict(run.optimizer, _load(path, "optimizer.pt", strategy.device))
+        notes = _apply_to_optimizer(run.optimizer, fresh, changes)
+    if train.reset_optimizer or any(key in SCHEDULE_KEYS for key, _, _ in changes):
+        _advance(run.scheduler, trainer_state["global_step"])
+    else:
+        run.scheduler.load_state_dict(_load(path, "scheduler.pt"))
     engine_state = _load(path, "engine_state.pt")
     strategy.load_state_dict(engine_state["strategy"])
     rng_file = _rng_file(strategy.rank)
     if (path / rng_file).is_file():
         _set_rng_state(_load(path, rng_file))
     for key in PROGRESS_FIELDS:  # max_steps and steps_per_epoch belong to the resumed run's config
-        setattr(run.state, key, trainer_state.get(key))
+        setattr(run.state, key, trainer_state.get(key, getattr(run.state, key)))
     saved = engine_state["plugins"]
     for plugin in run.plugin_manager.call_order("load_checkpoint_state"):
         run.plugin_manager.call_plugin("load_checkpoint_state", plugin, run=run, state=saved.get(plugin, {}))
-    logger.info("resumed from %s (step %d)", path, run.state.global_step)
+    line = f"resumed from {path} (step {run.state.global_step})"
+    if changes:
+        line += "; changed since the checkpoint: " + ", ".join(
+            f"{key} {old!r} -> {new!r}" + (f" ({notes[key]})" if key in notes else "") for key, old, new in changes)
+    if train.reset_optimizer:
+        line += f"; optimizer {train.optim} and scheduler built fresh (train.reset_optimizer)"
+    logger.info(line)

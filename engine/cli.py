@@ -1,8 +1,11 @@
 """The ``engine`` command: train, evaluate, plan, plugins.
 
-Bad input (a missing run file, a TOML syntax error, an unknown plugin, optimizer or key, a
-wrong type) prints one line ``engine: error: ...`` and exits with status 2, no traceback.
-Only argparse and the config module load before a command runs, so ``engine --help`` is fast.
+Exit status: 0 success; 2 bad input (a missing run file, a TOML syntax error, an unknown
+plugin, optimizer or key, a wrong type, an output_dir in use by another run, a damaged
+checkpoint): one line ``engine: error: ...``, no traceback; 3 the run diverged (nan/inf loss,
+gradient norm or weights; nothing non-finite was saved); 130 interrupted.
+Only argparse and the config module load before a command runs, so ``engine --help`` is fast,
+and ``engine train`` refuses an output_dir that another run holds before the heavy imports.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _make_run(args: argparse.Namespace) -> Any:
-    from .run import Run, default_run_mapping
+    from .config import default_run_mapping
+    from .run import Run
 
     config = args.run_file if args.run_file is not None else default_run_mapping()
     return Run(config, overrides=args.sets, plugin_edits=args.plugin_edits)
@@ -57,18 +61,22 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    import json
     from pathlib import Path
 
+    from .checkpoint import check_model_folder
     from .errors import CheckpointError
+    from .util import dumps_json
 
     run = _make_run(args)
+    if args.checkpoint:
+        folder = Path(args.checkpoint)
+        if not folder.is_dir():
+            raise CheckpointError(f"--checkpoint: {args.checkpoint} is not a folder")
+        check_model_folder(folder, "--checkpoint")
     run.setup()
     if args.checkpoint:
-        if not Path(args.checkpoint).is_dir():
-            raise CheckpointError(f"--checkpoint: {args.checkpoint} is not a folder")
-        run.strategy.load_model_weights(run.model, Path(args.checkpoint))
-    print(json.dumps(run.evaluate()))
+        run.strategy.load_model_weights(run.model, folder)
+    print(dumps_json(run.evaluate()))
     return 0
 
 
@@ -111,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         return command(args)
     except EngineError as exc:
         print(f"engine: error: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_status
     except KeyboardInterrupt:
         print("engine: interrupted", file=sys.stderr)
         return 130

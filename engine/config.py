@@ -27,6 +27,9 @@ import tomllib
 from .errors import ConfigError
 
 CORE_SECTIONS = ("train", "data")
+# [train] keys that say how to start rather than what to train: not part of the run's identity,
+# never listed as changes on resume
+START_KEYS = ("resume_from_checkpoint", "overwrite_output_dir", "reset_optimizer", "output_dir")
 
 
 def option(default: Any = dataclasses.MISSING, *, help: str, default_factory: Any = dataclasses.MISSING):
@@ -83,7 +86,18 @@ class TrainConfig:
     save_final_model: bool = option(True, help=(
         "save the final model (HF layout) and tokenizer to output_dir when training ends"))
     resume_from_checkpoint: bool | str | None = option(None, help=(
-        "true: newest checkpoint in output_dir; a path: that checkpoint"))
+        "true: this run's newest checkpoint in output_dir; a path: that checkpoint"))
+    overwrite_output_dir: bool = option(False, help=(
+        "a fresh run into an output_dir holding another run's checkpoints or final model removes "
+        "them first (only what the engine wrote) instead of refusing to start"))
+    reset_optimizer: bool = option(False, help=(
+        "on resume: restore weights, progress and RNG but build the optimizer and scheduler fresh, "
+        "the schedule continuing at the resumed step (to change train.optim)"))
+    on_nonfinite: Literal["stop", "skip"] = option("stop", help=(
+        "a nan/inf loss, gradient norm or weight: 'stop' the run (exit status 3, nothing "
+        "non-finite saved) or 'skip' the update (costs one host sync per step)"))
+    max_skipped_in_a_row: int = option(10, help=(
+        "on_nonfinite = 'skip': stop the run after this many skipped steps in a row"))
     load_best_model_at_end: bool = option(False, help=(
         "track the best checkpoint by metric_for_best_model and load it when training ends"))
     metric_for_best_model: str | None = option(None, help=(
@@ -226,6 +240,13 @@ def read_run_file(path: str | Path) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: TOML syntax error: {exc}") from None
+
+
+def default_run_mapping() -> dict[str, Any]:
+    """The embedded default run (``engine train`` without a run file)."""
+    from importlib import resources
+
+    return tomllib.loads(resources.files("engine").joinpath("default_run.toml").read_text(encoding="utf-8"))
 
 
 def parse_value(text: str) -> Any:

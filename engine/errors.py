@@ -1,13 +1,15 @@
 """Errors a user can act on.
 
 Every error the engine raises for bad input derives from :class:`EngineError`. The CLI prints
-its message on one line and exits with status 2, without a traceback, so the message must say
-what to change.
+its message on one line and exits with the error's ``exit_status`` (2, or 3 for a diverged
+run), without a traceback, so the message must say what to change.
 """
 
 
 class EngineError(Exception):
     """Bad input the user can fix; the message says what to change."""
+
+    exit_status = 2
 
 
 class ConfigError(EngineError):
@@ -24,3 +26,13 @@ class MissingDependencyError(EngineError):
 
 class CheckpointError(EngineError):
     """A checkpoint is missing, incomplete or does not match the run."""
+
+
+class TrainingDiverged(EngineError):
+    """The loss, the gradient norm or the weights became non-finite (nan or inf).
+
+    The run stops before anything non-finite is saved; the CLI exits with status 3, so scripts
+    can tell a diverged run (lower the learning rate) from bad input (status 2).
+    """
+
+    exit_status = 3

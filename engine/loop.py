@@ -3,16 +3,20 @@
     Run(config)                                   # compose: plugin_options, register_optimizers,
                                                   #   register_schedulers, register_strategies
         configure(run)                            # refuse conflicts before anything loads
-    run.setup()
-        strategy = create_strategy(run); strategy.setup()
-        tokenizer, datasets, model                # from [train] / [data], or given to Run
-        undo = patch_model(run, model)            # each plugin, in order
-        model = strategy.prepare_model(model)
-        optimizer = create_optimizer(run); scheduler = create_scheduler(run, optimizer)
     train(run)
-        if resuming: validate the checkpoint (before setup), then restore weights,
-                     optimizer, scheduler, RNG, state
+        claim output_dir                          # lock it; fresh run or resume? a checkpoint to
+                                                  #   resume is validated; another run's folder is
+                                                  #   refused (engine/rundir.py)
+        run.setup()
+            strategy = create_strategy(run); strategy.setup()
+            tokenizer, datasets, model            # from [train] / [data], or given to Run
+            undo = patch_model(run, model)        # each plugin, in order
+            model = strategy.prepare_model(model)
+            optimizer = create_optimizer(run); scheduler = create_scheduler(run, optimizer)
+        if resuming: restore weights, optimizer, scheduler (changed hyper-parameters applied),
+                     RNG, state
                      load_checkpoint_state(run, state)            # each plugin its own
+        write the run record (output_dir/run.json)
         log_hyperparams(run, config)                              # main process
         on_train_start(run)
         on_train_mode(run)
@@ -33,10 +37,11 @@
             eval_strategy / save_strategy "epoch": evaluate / save
         on_eval_mode(run)
         load_best_model_at_end: load the best checkpoint's weights
-        save_final_model: model (+ tokenizer) into output_dir
+        save_final_model: model (+ tokenizer) into output_dir, atomically
         on_train_end(run)
         undo patches (reverse order)
         log_finish(run, status)                                   # also when training raised
+        record the status (finished, failed, diverged, interrupted); unlock output_dir
 
     evaluate(run)
         on_eval_mode(run)
@@ -49,6 +54,11 @@
         write output_dir/checkpoint-<step>/ atomically; rotate (save_total_limit)
         on_checkpoint_saved(run, path)
 
+Divergence: the losses and gradient norms stay tensors until the loop reads them anyway (a log
+step, an evaluation, a save, the end); there they are checked, and a nan or inf stops the run
+(``TrainingDiverged``) before anything non-finite is saved. ``train.on_nonfinite = "skip"``
+instead skips such updates in the builtin step (one host sync per step).
+
 Per-step work is kept to what a hand-written loop does: hook callers are looked up once, the
 loss stays a tensor until a log step (no host sync per step), nothing is allocated per step
 beyond the batches themselves.
@@ -57,34 +67,56 @@ beyond the batches themselves.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import checkpoint
-from .errors import ConfigError
+from . import checkpoint, rundir
+from .errors import ConfigError, TrainingDiverged
 from .loss import count_items, logits_of
 
 if TYPE_CHECKING:
     from .run import Run
 
+logger = logging.getLogger("engine")
+
 
 def train(run: Run) -> dict[str, float]:
-    resume_from = checkpoint.find_resume_checkpoint(run)  # a bad checkpoint stops us before setup
+    claim = rundir.claim(run)  # before anything loads: a busy folder or a bad checkpoint stops us here
+    run.run_id = claim.run_id
+    status = "failed"
+    try:
+        summary = _train(run, claim)
+        status = "finished"
+        return summary
+    except TrainingDiverged:
+        status = "diverged"
+        raise
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise
+    finally:
+        claim.finish(status)
+
+
+def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
+    resume_from = claim.resume_from
     run.setup()
     hook, state, control, strategy = run.hook, run.state, run.control, run.strategy
     train_cfg = run.config.train
     main = strategy.is_main_process
     accumulation = train_cfg.gradient_accumulation_steps
     state.max_steps = run.num_training_steps
-    if main:
-        checkpoint.remove_partial(run.output_dir)
     if resume_from is not None:
         checkpoint.load(run, resume_from)
+    claim.start(run)
+    logged = _Interval(run)
 
     def evaluate_now() -> None:
+        logged.stop_if_diverged()
         checkpoint.note_evaluation(run, evaluate(run))
         hook.on_train_mode(run=run)
 
@@ -93,6 +125,7 @@ def train(run: Run) -> dict[str, float]:
     def save_now() -> None:
         nonlocal saved_step
         if saved_step != state.global_step:  # e.g. a save_steps save that is also an epoch's end
+            logged.stop_if_diverged()
             checkpoint.save(run)
             saved_step = state.global_step
         hook.on_train_mode(run=run)
@@ -109,8 +142,8 @@ def train(run: Run) -> dict[str, float]:
     scheduler_step = run.scheduler.step
     optimizer = run.optimizer
     shift = run.label_shift
+    skipped_in_a_row = 0
 
-    logged = _Interval(state)
     lr = float(optimizer.param_groups[0]["lr"])
     status = "failed"
     start_time = time.perf_counter()
@@ -149,6 +182,11 @@ def train(run: Run) -> dict[str, float]:
                 step_in_epoch += 1
                 state.epoch = epoch + (step_in_epoch / steps_per_epoch if steps_per_epoch else 0.0)
                 logged.add(out)
+                if out.skipped:
+                    skipped_in_a_row += 1
+                    _note_skipped(run, out, skipped_in_a_row)
+                else:
+                    skipped_in_a_row = 0
                 on_step_end(run=run)
 
                 step = state.global_step
@@ -157,6 +195,7 @@ def train(run: Run) -> dict[str, float]:
                     metrics = logged.flush(lr)
                     if main:
                         hook.log_metrics(run=run, metrics=metrics, step=step)
+                    logged.stop_if_diverged()
                 if (eval_every and step % eval_every == 0) or control.should_evaluate:
                     control.should_evaluate = False
                     evaluate_now()
@@ -174,10 +213,11 @@ def train(run: Run) -> dict[str, float]:
                 save_now()
             if control.should_stop:
                 break
-        if logged.steps:  # steps since the last log, when a plugin stopped the run
+        if logged.count:  # steps since the last log, when a plugin stopped the run
             metrics = logged.flush(lr)
             if main:
                 hook.log_metrics(run=run, metrics=metrics, step=state.global_step)
+            logged.stop_if_diverged()
         runtime = time.perf_counter() - start_time
         steps = state.global_step - start_step
         summary = {
@@ -205,45 +245,114 @@ def train(run: Run) -> dict[str, float]:
 
 
 class _Interval:
-    """Sums over the current logging interval; the loss stays a tensor until it is logged."""
+    """Sums over the current logging interval, and the divergence check.
 
-    def __init__(self, state: Any):
-        self.state = state
-        self.loss: torch.Tensor | float = 0.0
-        self.steps = 0
+    Each step's loss and gradient norm stay tensors (no host sync per step) until the loop
+    reads them anyway: a log step, an evaluation, a save, the end (or every ``READ_EVERY``
+    steps). There they are read in one go and checked: the first nan or inf is kept, and
+    :meth:`stop_if_diverged` raises it. With fp16 loss scaling, non-finite gradient norms are
+    the scaler's business (it skips those steps), so only the loss counts then.
+    """
+
+    READ_EVERY = 1000  # a long logging interval keeps no long list of tensors
+
+    def __init__(self, run: Run):
+        self.run = run
+        self.state = run.state
+        self.check_grad_norm = not run.strategy.scales_loss
+        self.log_skipped = run.config.train.on_nonfinite == "skip"
+        self.pending: list[tuple[int, torch.Tensor, Any]] = []
+        self.divergence: tuple[str, int] | None = None
+        self.count = 0  # steps since the last flush, skipped ones included
+        self.loss = 0.0
+        self.steps = 0  # steps read and summed into self.loss
         self.tokens = 0
-        self.grad_norm: Any = None
+        self.grad_norm: float | None = None
         self.started = time.perf_counter()
         self.total_loss = 0.0
         self.total_steps = 0
 
     def add(self, out: Any) -> None:
-        self.loss = self.loss + out.loss.detach()
-        self.steps += 1
-        self.grad_norm = out.grad_norm
+        self.count += 1
+        if out.skipped:  # its loss is nan or inf: not part of the interval's mean
+            return
+        self.pending.append((self.state.global_step, out.loss.detach(), out.grad_norm))
+        if len(self.pending) >= self.READ_EVERY:
+            self.read()
+
+    def read(self) -> None:
+        """Move the pending values to the host (one sync) and look for the first non-finite one."""
+        if not self.pending:
+            return
+        steps, losses, norms = zip(*self.pending)
+        self.pending = []
+        loss_values = torch.stack([loss.float() for loss in losses]).tolist()
+        norm_values = _host_values(norms)
+        for step, loss, norm in zip(steps, loss_values, norm_values):
+            if self.divergence is not None:
+                break
+            if not math.isfinite(loss):
+                self.divergence = (f"the loss is {loss}", step)
+            elif self.check_grad_norm and norm is not None and not math.isfinite(norm):
+                self.divergence = (f"the gradient norm is {norm}", step)
+        self.loss += sum(loss_values)
+        self.steps += len(loss_values)
+        if norm_values[-1] is not None:
+            self.grad_norm = norm_values[-1]
+
+    def stop_if_diverged(self) -> None:
+        self.read()
+        if self.divergence is not None:
+            what, step = self.divergence
+            raise checkpoint.diverged(self.run, what, step)
 
     def flush(self, lr: float) -> dict[str, float]:
+        self.read()
         now = time.perf_counter()
         elapsed = now - self.started
-        loss = float(self.loss) / max(self.steps, 1)
-        self.total_loss += float(self.loss)
+        loss = self.loss / self.steps if self.steps else math.nan
+        self.total_loss += self.loss
         self.total_steps += self.steps
         self.state.num_input_tokens_seen += self.tokens
         metrics = {"loss": round(loss, 6), "learning_rate": lr}
         if self.grad_norm is not None:
-            metrics["grad_norm"] = round(float(self.grad_norm), 6)
+            metrics["grad_norm"] = round(self.grad_norm, 6)
         metrics.update({
             "tokens_per_second": round(self.tokens / elapsed, 1) if elapsed else 0.0,
-            "step_time": round(elapsed / max(self.steps, 1), 6),
+            "step_time": round(elapsed / max(self.count, 1), 6),
             "epoch": round(self.state.epoch, 4),
         })
+        if self.log_skipped:
+            metrics["skipped_steps"] = self.state.num_skipped_steps
         self.state.log_history.append({"step": self.state.global_step, **metrics})
-        self.loss, self.steps, self.tokens, self.started = 0.0, 0, 0, now
+        self.loss, self.steps, self.count, self.tokens, self.started = 0.0, 0, 0, 0, now
         return metrics
 
     @property
     def mean_loss(self) -> float:
         return round(self.total_loss / self.total_steps, 6) if self.total_steps else float("nan")
+
+
+def _host_values(values: tuple[Any, ...]) -> list[float | None]:
+    """Floats for tensors (read in one sync), numbers and None."""
+    out = [None if v is None or isinstance(v, torch.Tensor) else float(v) for v in values]
+    tensors = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    if tensors:
+        for i, value in zip(tensors, torch.stack([values[i].float() for i in tensors]).tolist()):
+            out[i] = value
+    return out
+
+
+def _note_skipped(run: Run, out: Any, in_a_row: int) -> None:
+    """Count a skipped update (``on_nonfinite = "skip"``); stop after too many in a row."""
+    state, limit = run.state, run.config.train.max_skipped_in_a_row
+    state.num_skipped_steps += 1
+    norm = "-" if out.grad_norm is None else float(out.grad_norm)
+    logger.warning("step %d: loss %s, gradient norm %s: update skipped (%d in a row, %d in total)",
+                   state.global_step, float(out.loss), norm, in_a_row, state.num_skipped_steps)
+    if in_a_row >= limit:
+        raise checkpoint.diverged(run, f"{in_a_row} updates in a row had a nan or inf loss or gradient norm "
+                                       f"(train.max_skipped_in_a_row = {limit})")
 
 
 def evaluate(run: Run, dataset: Any = None, prefix: str = "eval") -> dict[str, float]:

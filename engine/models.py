@@ -3,8 +3,8 @@
 Forms, tried in this order:
 
 * ``package.module:function``: called with the tokenizer (or None), returns an ``nn.Module``;
-* an existing folder: ``from_pretrained`` when it holds weights, else built from its
-  ``config.json`` with random weights;
+* an existing folder: ``from_pretrained``; its weights must be there and intact (checked
+  against the engine's manifest, or the safetensors headers, before anything loads);
 * a ``.json`` file: a transformers config (``model_type`` required), random weights;
 * a builtin name (:data:`BUILTIN_CONFIGS`), random weights.
 
@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .checkpoint import check_model_folder
 from .config import TrainConfig
 from .errors import ConfigError
 from .util import is_callable_spec, load_callable
@@ -35,8 +36,6 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
                     "num_attention_heads": 8, "num_key_value_heads": 8, "max_position_embeddings": 2048,
                     "vocab_size": 32000},
 }
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                 "pytorch_model.bin.index.json")
 
 
 def build_model(train: TrainConfig, tokenizer: Any = None) -> torch.nn.Module:
@@ -51,9 +50,8 @@ def build_model(train: TrainConfig, tokenizer: Any = None) -> torch.nn.Module:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ConfigError(f"train.model: folder {spec} has no config.json")
-        if any((path / name).is_file() for name in _WEIGHT_FILES):
-            return _from_pretrained(path)
-        return _from_config(json.loads((path / "config.json").read_text()), train, tokenizer)
+        check_model_folder(path, "train.model")
+        return _from_pretrained(path)
     if spec.endswith(".json"):
         try:
             config = json.loads(path.read_text())

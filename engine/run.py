@@ -12,7 +12,6 @@ import math
 import os
 import random
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple
 
@@ -25,10 +24,12 @@ from .plugins import PluginManager
 
 
 class StepOutput(NamedTuple):
-    """What a ``training_step`` returns: the window's mean loss and the pre-clip grad norm."""
+    """What a ``training_step`` returns: the window's mean loss, the pre-clip grad norm, and
+    whether the update was skipped (``train.on_nonfinite = "skip"``: a nan/inf loss or norm)."""
 
     loss: torch.Tensor
     grad_norm: torch.Tensor | float | None = None
+    skipped: bool = False
 
 
 @dataclass
@@ -44,6 +45,7 @@ class TrainState:
     best_metric: float | None = None
     best_global_step: int | None = None
     best_model_checkpoint: str | None = None
+    num_skipped_steps: int = 0  # updates skipped for a non-finite loss (train.on_nonfinite = "skip")
 
 
 @dataclass
@@ -98,14 +100,6 @@ def set_seed(seed: int) -> None:
     except ImportError:
         return
     numpy.random.seed(seed)
-
-
-def default_run_mapping() -> dict[str, Any]:
-    """The embedded default run (``engine train`` without a run file)."""
-    text = resources.files("engine").joinpath("default_run.toml").read_text(encoding="utf-8")
-    import tomllib
-
-    return tomllib.loads(text)
 
 
 def _plugin_objects(plugins: Any) -> dict[str, Any]:
@@ -179,6 +173,7 @@ class Run:
         self.num_training_steps = 0
         self.label_shift = False
         self.undo_patches: list[Callable[[], None]] = []
+        self.run_id: str | None = None  # set when training claims output_dir (engine.rundir)
         self.is_setup = False
         self.hook.configure(run=self)
 
@@ -346,6 +341,8 @@ def _check_values(train: cfg.TrainConfig, data: cfg.DataConfig) -> None:
         raise ConfigError(f"train.max_grad_norm: expected float >= 0 (0 disables), got {train.max_grad_norm}")
     if not 0 <= train.label_smoothing_factor < 1:
         raise ConfigError(f"train.label_smoothing_factor: expected float in [0, 1), got {train.label_smoothing_factor}")
+    if train.max_skipped_in_a_row < 1:
+        raise ConfigError(f"train.max_skipped_in_a_row: expected int >= 1, got {train.max_skipped_in_a_row}")
     if train.save_total_limit is not None and train.save_total_limit < 1:
         raise ConfigError(f"train.save_total_limit: expected int >= 1 (or unset: keep all), got {train.save_total_limit}")
     if train.load_best_model_at_end:

@@ -84,6 +84,11 @@ class Strategy:
 
     # ------------------------------------------------------------------ one step
 
+    @property
+    def scales_loss(self) -> bool:
+        """fp16 loss scaling is on: non-finite gradients are then expected, and the scaler skips them."""
+        return self.scaler is not None
+
     def autocast(self) -> contextlib.AbstractContextManager:
         if self._autocast_dtype is None:
             return contextlib.nullcontext()

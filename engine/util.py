@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import json
+import math
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -57,3 +60,30 @@ def require(module: str, package: str | None = None, feature: str = "", extra: s
         raise MissingDependencyError(
             f"package {package or module!r} is needed{what} (missing module {exc.name or module!r}): {install}"
         ) from exc
+
+
+def finite_json(value: Any) -> Any:
+    """``value`` with every non-finite float (nan, inf) replaced by None, in nested dicts and lists."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(item) for item in value]
+    return value
+
+
+def dumps_json(value: Any, **kwargs: Any) -> str:
+    """Valid JSON (RFC 8259) for ``value``: non-finite floats become null, never ``NaN``.
+
+    Every JSON the engine writes goes through here, so a diverged metric reads back as None.
+    """
+    return json.dumps(finite_json(value), allow_nan=False, **kwargs)
+
+
+def write_json(path: str | Path, value: Any) -> None:
+    """Write ``value`` as JSON to ``path`` atomically (a temporary file renamed into place)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(dumps_json(value, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)

@@ -63,11 +63,11 @@ def test_register_strategies_and_create_strategy_choose_the_strategy(tmp_path):
             super().backward(loss)
 
     registering = plugin("counting", register_strategies=lambda register: register("counting", CountingStrategy))
-    run = run_steps(2, objects=[registering], output_dir=tmp_path, train={"gradient_accumulation_steps": 2})
+    run = run_steps(2, objects=[registering], output_dir=tmp_path / "a", train={"gradient_accumulation_steps": 2})
     assert isinstance(run.strategy, CountingStrategy) and CountingStrategy.backward_calls == 4
 
     created = plugin("direct", create_strategy=lambda run: CountingStrategy(run))
-    run = run_steps(1, objects=[created], output_dir=tmp_path)
+    run = run_steps(1, objects=[created], output_dir=tmp_path / "b")
     assert isinstance(run.strategy, CountingStrategy)
 
 

@@ -133,10 +133,10 @@ def test_iterable_dataset_needs_max_steps(tmp_path):
             data = tiny_dataset(16)
             return (data[i] for i in range(len(data)))
 
-    run = run_steps(7, output_dir=tmp_path, dataset=Stream())  # 4 batches per pass: two passes
+    run = run_steps(7, output_dir=tmp_path / "a", dataset=Stream())  # 4 batches per pass: two passes
     assert run.state.global_step == 7
     with pytest.raises(Exception, match="train.max_steps: an IterableDataset has no length"):
-        run_steps(-1, output_dir=tmp_path, dataset=Stream())
+        run_steps(-1, output_dir=tmp_path / "b", dataset=Stream())
 
 
 def test_evaluation_is_token_weighted_and_calls_compute_metrics(tmp_path):
@@ -257,11 +257,12 @@ def test_resume_continues_with_identical_parameters(tmp_path):
         torch.testing.assert_close(_params(resumed)[name], value, rtol=0, atol=0, msg=name)
 
 
-def test_a_fresh_run_restarts_metrics_jsonl(tmp_path):
-    run_steps(3, output_dir=tmp_path)
-    run_steps(2, output_dir=tmp_path)
+def test_overwrite_output_dir_starts_a_fresh_history(tmp_path):
+    run_steps(3, output_dir=tmp_path, train={"save_strategy": "steps", "save_steps": 1})
+    run_steps(2, output_dir=tmp_path, train={"overwrite_output_dir": True})
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2]
+    assert not list(tmp_path.glob("checkpoint-*"))  # the first run's checkpoints went with it
 
 
 def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path):

@@ -12,10 +12,7 @@ import math
 import os
 
 from engine import hookimpl
-
-
-def _json_value(value):
-    return None if isinstance(value, float) and not math.isfinite(value) else value
+from engine.util import dumps_json, write_json
 
 
 def _drop_records_after(path, step):
@@ -54,14 +51,13 @@ class JsonlLogger:
         if step > 0:
             _drop_records_after(run.output_dir / "metrics.jsonl", step)
         self._open(run, "a" if step > 0 else "w")
-        (run.output_dir / "hyperparams.json").write_text(json.dumps(params, indent=2))
+        write_json(run.output_dir / "hyperparams.json", params)
 
     @hookimpl
     def log_metrics(self, run, metrics, step):
         if self.handle is None:  # evaluation outside training
             self._open(run, "a")
-        record = {"step": step, **{k: _json_value(v) for k, v in metrics.items()}}
-        self.handle.write(json.dumps(record) + "\n")
+        self.handle.write(dumps_json({"step": step, **metrics}) + "\n")
         self.handle.flush()
 
     @hookimpl

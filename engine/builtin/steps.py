@@ -3,17 +3,34 @@
 from __future__ import annotations
 
 import contextlib
+import math
+
+import torch
 
 from engine import hookimpl
+from engine.errors import ConfigError
 from engine.run import StepOutput
 
 _NO_CONTEXT = contextlib.nullcontext()
+
+
+@hookimpl
+def configure(run):
+    if run.config.train.on_nonfinite != "skip":
+        return
+    # skipping means deciding between backward and the update: only this step can do that
+    owners = [impl.plugin_name for impl in run.hook.training_step.get_hookimpls()
+              if not (impl.wrapper or impl.hookwrapper) and impl.plugin_name != "builtin.steps"]
+    if owners:
+        raise ConfigError(f"train.on_nonfinite = 'skip': plugin {owners[0]!r} runs its own training step, "
+                          "which cannot skip an update; use on_nonfinite = 'stop'")
 
 
 @hookimpl(trylast=True)
 def training_step(run, batches, num_items_in_batch):
     strategy, model, optimizer = run.strategy, run.wrapped_model, run.optimizer
     compute_loss = run.hook.compute_loss
+    train = run.config.train
     last = len(batches) - 1
     total = None
     for index, batch in enumerate(batches):
@@ -25,11 +42,26 @@ def training_step(run, batches, num_items_in_batch):
                 loss = loss / len(batches)
             strategy.backward(loss)
         total = loss.detach() if total is None else total + loss.detach()
-    max_norm = run.config.train.max_grad_norm
-    grad_norm = strategy.clip_grad_norm(optimizer, max_norm) if max_norm > 0 else None
+    skip = train.on_nonfinite == "skip"
+    max_norm = train.max_grad_norm
+    grad_norm = None
+    if max_norm > 0 or skip:  # skipping needs the norm even without clipping (inf: measure only)
+        grad_norm = strategy.clip_grad_norm(optimizer, max_norm if max_norm > 0 else math.inf)
+    if skip and not _finite(total, None if strategy.scales_loss else grad_norm):  # one host sync
+        if strategy.scales_loss:
+            strategy.optimizer_step(optimizer)  # the loss scaler skips it and lowers its scale
+        optimizer.zero_grad(set_to_none=True)
+        return StepOutput(total, grad_norm, skipped=True)
     strategy.optimizer_step(optimizer)
     optimizer.zero_grad(set_to_none=True)
     return StepOutput(total, grad_norm)
+
+
+def _finite(loss, grad_norm) -> bool:
+    finite = torch.isfinite(loss)
+    if grad_norm is not None:
+        finite = finite & torch.isfinite(torch.as_tensor(grad_norm, device=finite.device))
+    return bool(finite)
 
 
 @hookimpl
