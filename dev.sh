@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Quick start on a fresh machine (only Python 3.10+ and pip needed):
-#   ./dev.sh run     set up .venv and run the embedded default training run
+#   ./dev.sh run     set up .venv and run the embedded default training run (afresh each time)
 #   ./dev.sh test    set up .venv and run the test suite (what CI runs)
 #   ./dev.sh wheels  build wheels of engine and every plugin into wheelhouse/, so that
 #                    pip install --find-links wheelhouse 'engine[galore]' works offline
@@ -27,7 +27,8 @@ setup() {
 
 case "${1:-}" in
     setup) setup ;;
-    run) setup; shift; "$VENV/bin/engine" train "$@" ;;
+    # the demo starts afresh each time; a plain `engine train` refuses to overwrite another run
+    run) setup; shift; "$VENV/bin/engine" train --set train.overwrite_output_dir=true "$@" ;;
     test) setup; shift; "$PY" -m pytest tests contrib plugins "$@" ;;
     wheels) setup; "$PY" -m pip wheel -q --no-deps -w wheelhouse . contrib/lion "${PLUGINS[@]}" ;;
     *) echo "usage: ./dev.sh setup|run|test|wheels [args]" >&2; exit 2 ;;

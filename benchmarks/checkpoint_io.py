@@ -9,8 +9,10 @@ Each model is built once and deep-copied for both contenders. Each gets AdamW (`
 lr 1e-3, weight decay 0) and a linear schedule and trains one step on the same batch, so the
 optimizer state is populated and the weights stay identical. Then, per round:
 
-* ``engine``   save: ``checkpoint.save(run)`` on a set-up ``engine.Run``; load: ``validate`` +
-               ``load`` (weights, optimizer, scheduler, RNG, state) into a fresh set-up Run;
+* ``engine``   save: ``checkpoint.save(run)`` on a set-up ``engine.Run`` (with the finite-weights
+               check and the manifest's xxh3-64 checksum of every file); load: ``validate`` (which
+               verifies every checksum) + ``load`` (weights, optimizer, scheduler, RNG, state)
+               into a fresh set-up Run;
 * ``trainer``  save: ``trainer._save_checkpoint(model, trial=None)`` (what ``Trainer.train``
                calls) after ``create_optimizer_and_scheduler``; load: what ``Trainer.train``
                does on resume: ``_load_from_checkpoint``, ``TrainerState.load_from_json``,
@@ -24,8 +26,10 @@ untimed ``os.sync()`` before each save and load keeps one's write-back out of th
 
 Round 0 is an untimed warm-up, then ``--repeats`` rounds alternate which contender goes first;
 checkpoints are deleted once measured. The table gives medians over rounds (time ratios: of the
-ratio within a round). Checks: both checkpoints' safetensors weights are compared tensor by
-tensor, and each load must restore the trained weights and the optimizer's step. Exits 0.
+ratio within a round). The integrity work inside the engine's times (finite check and checksums at
+save, verification at load) is also timed on its own and printed per model. Checks: both
+checkpoints' safetensors weights are compared tensor by tensor, and each load must restore the
+trained weights and the optimizer's step. Exits 0.
 
 Run::
 
@@ -142,6 +146,26 @@ class TrainerContender(Contender):
         trainer._load_rng_state(str(path))
 
 
+def integrity_work(run: engine.Run, path: Path) -> dict[str, float]:
+    """The parts of the engine's save and load that a plain save does not do, timed alone.
+
+    Save: the check that the weights are finite and the xxh3-64 checksum of every file (for the manifest);
+    load: verifying the manifest (sizes and checksums, part of ``validate``).
+    """
+    parts = {}
+    started = time.perf_counter()
+    checkpoint.check_finite_weights(run, run.strategy.model_state_dict(run.model), path.name)
+    parts["finite check at save"] = time.perf_counter() - started
+    names = sorted(f.name for f in path.iterdir() if f.name != checkpoint.MARKER)
+    started = time.perf_counter()
+    checkpoint._checksums(path, names)
+    parts["checksums at save"] = time.perf_counter() - started
+    started = time.perf_counter()
+    checkpoint.verify_manifest(path)
+    parts["verify at load"] = time.perf_counter() - started
+    return parts
+
+
 def folder_bytes(path: Path) -> dict[str, int]:
     sizes = {"total": 0, "weights": 0, "optimizer": 0, "rest": 0}
     for file in path.iterdir():
@@ -173,6 +197,7 @@ def bench_model(key: str, args: argparse.Namespace, root: Path) -> list[tuple[st
           f"{time.perf_counter() - started:.1f} s (not counted)", flush=True)
 
     times = {c.name: {"save": [], "load": []} for c in contenders}
+    integrity: dict[str, list[float]] = {}
     sizes = {}
     for round_index in range(args.repeats + 1):
         order = contenders if round_index % 2 else contenders[::-1]
@@ -194,6 +219,9 @@ def bench_model(key: str, args: argparse.Namespace, root: Path) -> list[tuple[st
             if round_index:
                 times[contender.name]["save"].append(save_s)
                 times[contender.name]["load"].append(load_s)
+                if contender.name == "engine":
+                    for part, seconds in integrity_work(contender.owner, path).items():
+                        integrity.setdefault(part, []).append(seconds)
                 shutil.rmtree(path)
             else:
                 kept[contender.name] = path
@@ -207,6 +235,10 @@ def bench_model(key: str, args: argparse.Namespace, root: Path) -> list[tuple[st
             for path in kept.values():
                 shutil.rmtree(path)
 
+    total_mb = sizes["engine"]["total"] / MB
+    print("  integrity work inside the engine's times (medians): " + ", ".join(
+        f"{part} {statistics.median(values):.3f} s" for part, values in integrity.items())
+        + f"; checksums at {total_mb / statistics.median(integrity['checksums at save']):.0f} MB/s", flush=True)
     rows = [(key, f"{params:,}", name, *(f"{statistics.median(times[name][op]):.3f}" for op in ("save", "load")),
              *(f"{sizes[name][kind] / MB:.3f}" for kind in ("total", "weights", "optimizer", "rest"))) for name in times]
     ratio = {op: statistics.median(e / t for e, t in zip(times["engine"][op], times["trainer"][op]))

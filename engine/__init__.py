@@ -40,6 +40,7 @@ _LAZY = {
     "PluginError": "engine.errors",
     "MissingDependencyError": "engine.errors",
     "CheckpointError": "engine.errors",
+    "TrainingDiverged": "engine.errors",
     "PredictionOutput": "engine.run",
     "param_groups": "engine.optim",
     "parse_optim_args": "engine.optim",

@@ -16,7 +16,7 @@ Layout (Hugging Face compatible)::
                                           composed config
         tokenizer files                   when the run has a tokenizer
         checkpoint_complete               the manifest, written last: run id, step, and each
-                                          file's size and CRC-32
+                                          file's size and xxh3-64 checksum
 
     output_dir/                           the final model: the same model files, and
         model_complete                    its manifest, written last
@@ -49,11 +49,11 @@ import re
 import shutil
 import warnings
 import zipfile
-import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import xxhash
 
 from .config import START_KEYS
 from .errors import CheckpointError, ConfigError, TrainingDiverged
@@ -89,7 +89,8 @@ SCHEDULE_KEYS = ("train.learning_rate", "train.lr_scheduler_type", "train.lr_sch
 # optimizer into the restored one (the learning rate through initial_lr and the scheduler)
 GROUP_KEYS = {"train.learning_rate": ("initial_lr",), "train.weight_decay": ("weight_decay",),
               "train.adam_beta1": ("betas",), "train.adam_beta2": ("betas",), "train.adam_epsilon": ("eps",)}
-_CHUNK = 8 << 20
+_CHUNK = 8 << 20  # bytes read at a time
+_THREADED_BYTES = 64 << 20
 
 
 def _rng_file(rank: int) -> str:
@@ -99,27 +100,31 @@ def _rng_file(rank: int) -> str:
 # ---------------------------------------------------------------------------- manifests
 
 
-def _crc32(path: Path) -> str:
-    crc = 0
-    buffer = bytearray(_CHUNK)
-    view = memoryview(buffer)
+def _digest(path: Path) -> str:
+    """xxh3-64 of a file (about 20 GB/s: a checksum costs a small part of writing the file)."""
+    digest = xxhash.xxh3_64()
+    buffer = memoryview(bytearray(min(_CHUNK, path.stat().st_size) or 1))
     with open(path, "rb", buffering=0) as handle:
-        while size := handle.readinto(buffer):
-            crc = zlib.crc32(view[:size], crc)  # releases the GIL: files hash in parallel
-    return f"{crc:08x}"
+        while read := handle.readinto(buffer):
+            digest.update(buffer[:read])
+    return digest.hexdigest()
 
 
 def _checksums(folder: Path, names: list[str]) -> dict[str, str]:
-    largest_first = sorted(names, key=lambda name: -(folder / name).stat().st_size)
+    """The files' xxh3-64, large ones hashed by a few threads (reading and hashing release the GIL)."""
+    sizes = {name: (folder / name).stat().st_size for name in names}
+    if sum(sizes.values()) < _THREADED_BYTES:  # starting threads would cost more than they save
+        return {name: _digest(folder / name) for name in names}
+    largest_first = sorted(names, key=lambda name: -sizes[name])
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-        return dict(zip(largest_first, pool.map(lambda name: _crc32(folder / name), largest_first)))
+        return dict(zip(largest_first, pool.map(lambda name: _digest(folder / name), largest_first)))
 
 
 def write_manifest(folder: Path, marker: str, **fields: Any) -> None:
-    """Write ``folder/marker``: ``fields`` plus every other file's size and CRC-32. Call it last."""
+    """Write ``folder/marker``: ``fields`` plus every other file's size and xxh3-64. Call it last."""
     names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.name != marker)
     sums = _checksums(folder, names)
-    files = {name: {"bytes": (folder / name).stat().st_size, "crc32": sums[name]} for name in names}
+    files = {name: {"bytes": (folder / name).stat().st_size, "xxh3_64": sums[name]} for name in names}
     (folder / marker).write_text(dumps_json({**fields, "files": files}, indent=1), encoding="utf-8")
 
 
@@ -137,7 +142,7 @@ def read_manifest(folder: Path, marker: str = MARKER) -> dict[str, Any]:
 
 
 def verify_manifest(folder: Path, marker: str = MARKER, names: list[str] | None = None) -> None:
-    """Check that the files a manifest lists (or ``names`` of them) are there with their size and CRC-32."""
+    """Check that the files a manifest lists (or ``names`` of them) are there with their size and checksum."""
     files = read_manifest(folder, marker)["files"]
     wanted = list(files) if names is None else names
     for name in wanted:
@@ -150,8 +155,8 @@ def verify_manifest(folder: Path, marker: str = MARKER, names: list[str] | None 
         size = path.stat().st_size
         if size != entry["bytes"]:
             raise CheckpointError(f"{folder}: {name} is truncated or padded ({size} bytes, saved with {entry['bytes']})")
-    for name, crc in _checksums(folder, wanted).items():
-        if crc != files[name]["crc32"]:
+    for name, digest in _checksums(folder, wanted).items():
+        if digest != files[name].get("xxh3_64"):
             raise CheckpointError(f"{folder}: {name} does not match its checksum (its bytes changed after the "
                                   "save); use another checkpoint")
 
@@ -211,9 +216,43 @@ def delete_folder(path: Path) -> None:
     shutil.rmtree(trash)
 
 
-def _write_error(what: str, folder: Path, exc: OSError) -> CheckpointError:
-    return CheckpointError(f"cannot write {what} in {folder}: {exc.strerror or exc}"
-                           f"{f' ({exc.filename})' if exc.filename else ''}; the checkpoints saved before are intact")
+@contextlib.contextmanager
+def _writing(what: str, folder: Path, tmp: Path):
+    """Turn a failed write (disk full, quota, file size limit) into one clear error; drop ``tmp``.
+
+    torch.save and safetensors do not raise OSError for these: torch's zip writer raises a
+    RuntimeError from inline_container.cc (the errno is lost), safetensors a SafetensorError
+    naming the I/O error.
+    """
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, RuntimeError, SafetensorError) as exc:
+        if isinstance(exc, OSError):
+            reason = exc.strerror or str(exc)
+        elif isinstance(exc, SafetensorError) and "I/O error" in str(exc):
+            reason = str(exc).split("I/O error:", 1)[1].strip()
+        elif isinstance(exc, RuntimeError) and "inline_container" in str(exc):
+            reason = _lost_errno(folder)
+        else:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(folder).free / 1e6
+        raise CheckpointError(f"cannot write {what} in {folder}: {reason}; {free:.1f} MB free there; "
+                              "the checkpoints saved before are intact") from None
+
+
+def _lost_errno(folder: Path) -> str:
+    """The likely reason for a failed write whose errno torch did not keep."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        return f"File too large (this process may write files of at most {limit} bytes, RLIMIT_FSIZE)"
+    if shutil.disk_usage(folder).free < 64e6:
+        return "No space left on device"
+    return "torch.save could not write its file"
 
 
 # ---------------------------------------------------------------------------- RNG
@@ -291,10 +330,12 @@ def write_model(run: Run, folder: Path, model_state: dict[str, torch.Tensor]) ->
 
 def check_finite_weights(run: Run, model_state: dict[str, torch.Tensor], what: str) -> None:
     """Refuse to save non-finite weights: the run diverged (one host sync for all tensors)."""
-    floats = [(name, t) for name, t in model_state.items() if t.is_floating_point()]
+    floats = [(name, t) for name, t in model_state.items() if t.is_floating_point() and t.numel()]
     if not floats:
         return
-    finite = torch.stack([torch.isfinite(t).all() for _, t in floats])
+    # min and max propagate nan and inf, and read each tensor once without a copy (isfinite
+    # would allocate a mask as large as the model)
+    finite = torch.isfinite(torch.stack([torch.stack(torch.aminmax(t.detach())).float() for _, t in floats])).all(1)
     if bool(finite.all()):
         return
     bad = [name for (name, _), ok in zip(floats, finite.tolist()) if not ok]
@@ -306,10 +347,10 @@ def diverged(run: Run, what: str, step: int | None = None) -> TrainingDiverged:
     """The error that stops a diverged run: what went wrong, at which step, and what is left on disk."""
     saved = list_checkpoints(run.output_dir, run.run_id)
     kept = f"the last checkpoint, {saved[-1]}, was saved before" if saved else "no checkpoint was saved"
-    return TrainingDiverged(
-        f"training diverged at step {run.state.global_step if step is None else step}: {what}; {kept}. "
-        "Lower train.learning_rate "
-        "(or raise warmup), or set train.on_nonfinite = 'skip' to skip non-finite steps")
+    skip = "" if run.config.train.on_nonfinite == "skip" else \
+        ", or set train.on_nonfinite = 'skip' to skip non-finite steps"
+    return TrainingDiverged(f"training diverged at step {run.state.global_step if step is None else step}: {what}; "
+                            f"{kept}. Lower train.learning_rate (or raise the warmup){skip}")
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -344,12 +385,14 @@ def check_model_folder(folder: Path, key: str) -> None:
     """Refuse a model folder (``key`` names where it came from) whose weights are missing or damaged.
 
     A folder the engine wrote is checked against its manifest (sizes and checksums); any other
-    against its safetensors headers. A run folder whose final save did not finish is refused.
+    must have config.json and weights, checked against their safetensors headers. A run folder
+    whose final save did not finish is refused.
     """
     for marker in (FINAL_MARKER, MARKER):
         if (folder / marker).is_file():
-            try:
-                verify_manifest(folder, marker)
+            try:  # the model's files; a checkpoint's optimizer and other state files are not read
+                files = read_manifest(folder, marker)["files"]
+                verify_manifest(folder, marker, [name for name in files if not name.endswith(".pt")])
             except CheckpointError as exc:
                 raise CheckpointError(f"{key}: {exc}") from None
             return
@@ -357,6 +400,8 @@ def check_model_folder(folder: Path, key: str) -> None:
         saved = list_checkpoints(folder)
         hint = f"; use one of its checkpoints, e.g. {saved[-1]}" if saved else ""
         raise ConfigError(f"{key}: {folder} holds no complete final model (the run's save did not finish){hint}")
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"{key}: folder {folder} has no config.json")
     names = ("model.safetensors", WEIGHTS_INDEX, "pytorch_model.bin", "pytorch_model.bin.index.json")
     if not any((folder / name).is_file() for name in names):
         raise ConfigError(f"{key}: {folder} has config.json but no weights ({', '.join(names)}); to train from "
@@ -487,7 +532,7 @@ def save(run: Run) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     strategy.barrier()
-    try:
+    with _writing(final.name, run.output_dir, tmp):
         torch.save(_rng_state(), tmp / _rng_file(strategy.rank))
         strategy.barrier()
         if strategy.is_main_process:
@@ -502,9 +547,6 @@ def save(run: Run) -> Path:
                              "config": run.config.to_mapping()}
             (tmp / "trainer_state.json").write_text(dumps_json(trainer_state, indent=2), encoding="utf-8")
             write_manifest(tmp, MARKER, run_id=run.run_id, step=state.global_step)
-    except OSError as exc:  # disk full, quota, permissions: the previous checkpoints stay as they were
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise _write_error(final.name, run.output_dir, exc) from None
     if strategy.is_main_process:
         if final.exists():
             delete_folder(final)
@@ -529,12 +571,9 @@ def save_final_model(run: Run) -> None:
         out = run.output_dir
         tmp = out / FINAL_TMP
         shutil.rmtree(tmp, ignore_errors=True)
-        try:
+        with _writing("the final model", out, tmp):
             write_model(run, tmp, model_state)
             write_manifest(tmp, FINAL_MARKER, run_id=run.run_id, step=run.state.global_step)
-        except OSError as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise _write_error("the final model", out, exc) from None
         previous = final_model_files(out)
         (out / FINAL_MARKER).unlink(missing_ok=True)
         names = sorted(p.name for p in tmp.iterdir() if p.name != FINAL_MARKER)

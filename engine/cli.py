@@ -46,17 +46,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _raw_config(args: argparse.Namespace) -> dict[str, Any]:
+    from .config import default_run_mapping, read_run_file
+
+    return read_run_file(args.run_file) if args.run_file is not None else default_run_mapping()
+
+
 def _make_run(args: argparse.Namespace) -> Any:
-    from .config import default_run_mapping
     from .run import Run
 
-    config = args.run_file if args.run_file is not None else default_run_mapping()
-    return Run(config, overrides=args.sets, plugin_edits=args.plugin_edits)
+    return Run(_raw_config(args), overrides=args.sets, plugin_edits=args.plugin_edits)
 
 
 def _train(args: argparse.Namespace) -> int:
-    run = _make_run(args)
-    run.train()
+    from .config import TrainConfig, apply_overrides
+    from .rundir import is_main_process, lock_output_dir
+
+    # lock output_dir now, before torch loads: a folder another run holds is refused at once
+    # (the run takes this lock over; a malformed value is left for the run to refuse)
+    train = apply_overrides(_raw_config(args), args.sets).get("train", {})
+    output_dir = train.get("output_dir", TrainConfig.output_dir) if isinstance(train, dict) else None
+    lock = None
+    if is_main_process() and isinstance(output_dir, str) and output_dir:
+        lock = lock_output_dir(output_dir)
+    try:
+        _make_run(args).train()
+    finally:
+        if lock is not None:
+            lock.release()
     return 0
 
 

@@ -263,6 +263,13 @@ def training_step(run: Run, batches: list[dict[str, Any]], num_items_in_batch: A
     ``zero_grad``; the scheduler is stepped by the loop afterwards. A plugin that fuses
     backward and update (LOMO) returns its own ``StepOutput(loss, grad_norm)``; ``loss`` is
     the window's mean loss as a detached tensor.
+
+    Keep ``loss`` and ``grad_norm`` as tensors (reading them is a host sync): the loop checks
+    them for nan/inf where it syncs anyway, and stops a diverged run (``TrainingDiverged``,
+    exit status 3). With ``train.on_nonfinite = "skip"`` the builtin reads them before the
+    update and, when one is not finite, zeroes the gradients instead and returns
+    ``StepOutput(loss, grad_norm, skipped=True)``; the run refuses that policy when a plugin
+    owns the step.
     """
 
 
@@ -355,8 +362,8 @@ def log_metrics(run: Run, metrics: dict[str, float], step: int) -> None:
 def log_finish(run: Run, status: str) -> None:
     """The run is over: flush and close trackers. ``status`` is "success" or "failed".
 
-    **When**: once at the very end, also when training raised, on the main process only.
-    **Combine**: broadcast.
+    **When**: once at the very end, also when training raised (a diverged run, a failed save,
+    an interrupt), on the main process only. **Combine**: broadcast.
     """
 
 

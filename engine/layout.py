@@ -8,7 +8,7 @@
         metrics.jsonl           one JSON object per log event
         hyperparams.json        the composed config
         checkpoint-<step>/      a checkpoint; its manifest checkpoint_complete (written last)
-                                names the run that wrote it and each file's size and CRC-32
+                                names the run that wrote it and each file's size and xxh3-64 checksum
         config.json, model.safetensors, tokenizer files, ...
         model_complete          the final model's manifest, likewise written last
         .tmp-*, .deleting-*     saves and deletions in flight (removed when the next run starts)

@@ -48,8 +48,6 @@ def build_model(train: TrainConfig, tokenizer: Any = None) -> torch.nn.Module:
         return model
     path = Path(spec)
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"train.model: folder {spec} has no config.json")
         check_model_folder(path, "train.model")
         return _from_pretrained(path)
     if spec.endswith(".json"):

@@ -312,6 +312,8 @@ class Claim:
             if self.record is not None:
                 self.record.update(status=status, updated=now())
                 write_json(self.lock.output_dir / RECORD, self.record)
+        except OSError as exc:  # e.g. the disk filled up: say so, but keep the error that ended the run
+            logger.warning("could not record the run's status in %s: %s", self.lock.output_dir / RECORD, exc)
         finally:
             self.lock.release()
 
@@ -339,11 +341,12 @@ def claim(run: Run) -> Claim:
         others = {owner: items for owner, items in _run_work(output_dir, record).items() if owner != run_id}
         if others:
             if not run.config.train.overwrite_output_dir:
-                raise ConfigError(
-                    f"train.output_dir: {output_dir} holds "
-                    f"{'; '.join(_describe(owner, items) for owner, items in others.items())}; continue it with "
-                    "train.resume_from_checkpoint = true, choose another train.output_dir, or set "
-                    "train.overwrite_output_dir = true to remove it first")
+                held = "; ".join(_describe(owner, items) for owner, items in others.items())
+                resume = "continue it with train.resume_from_checkpoint = true, "
+                if run.config.train.resume_from_checkpoint is True and resume_from is None:
+                    held, resume = f"{held} but none of its checkpoints to resume", ""
+                raise ConfigError(f"train.output_dir: {output_dir} holds {held}; {resume}choose another "
+                                  "train.output_dir, or set train.overwrite_output_dir = true to remove it first")
             if resume_from is not None and _inside(resume_from, output_dir):
                 raise ConfigError(f"train.overwrite_output_dir would delete {resume_from}, the checkpoint "
                                   "this run resumes; resume it without overwrite_output_dir")

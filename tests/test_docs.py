@@ -61,3 +61,14 @@ def test_readme_checkpoint_commands_compose(tmp_path):
                                 capture_output=True, text=True)
         assert result.returncode == 0, (words, result.stderr)
         assert "early_stopping" in result.stdout
+
+
+def test_readme_run_folder_commands_compose(tmp_path):
+    (tmp_path / "run.toml").write_text(_block("toml", "## A composed run"))
+    lines = [line.split("#")[0].replace("&", "").split()
+             for line in _block("bash", "## A run owns its folder").splitlines() if line.startswith("engine ")]
+    assert len(lines) == 4
+    for words in lines:
+        result = subprocess.run([sys.executable, "-m", "engine", "plan", *words[2:]], cwd=tmp_path,
+                                capture_output=True, text=True)
+        assert result.returncode == 0, (words, result.stderr)

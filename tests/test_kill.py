@@ -1,4 +1,5 @@
-"""SIGKILL a training process at random moments and in the middle of saves, and resume.
+"""SIGKILL a training process at random moments, in the middle of saves and of the final-model
+save, and resume.
 
 Each restart must resume from the newest complete checkpoint at the time of the kill, and the
 run, killed again and again, must end with exactly the weights and logged losses of a run
@@ -17,7 +18,8 @@ import time
 import torch
 from safetensors.torch import load_file
 
-from engine.checkpoint import list_checkpoints
+from engine.checkpoint import list_checkpoints, verify_manifest
+from engine.layout import FINAL_MARKER, FINAL_TMP
 
 STEPS = 40
 KILLS = 10  # half at a random moment, half while a checkpoint is being written or deleted
@@ -76,32 +78,39 @@ def test_sigkill_at_random_moments_then_resume_finishes_like_an_uninterrupted_ru
         assert _start(files[reference], log).wait(timeout=600) == 0
 
     rng = random.Random(0)
-    kills, inside_save, resumes = 0, 0, []
-    newest_at_kill = None
+    kills, inside_save, final_save_killed, starts = 0, 0, False, 0
+    resumes, expected_resume = [], None
     while True:
-        log_path = tmp_path / f"attempt-{kills}.log"
+        log_path = tmp_path / f"attempt-{starts}.log"
+        starts += 1
         with open(log_path, "w") as log:
             process = _start(files[killed], log)
-            # kill moments are spread over the steps that are left, whatever the machine's speed:
-            # wait until the run has saved up to a random step ahead, then kill within a step
-            done = _step(killed)
-            target = done + rng.randint(1, max(1, (STEPS - done) // (KILLS - kills + 1)))
-            deadline = time.monotonic() + 300
-            while process.poll() is None and _step(killed) < target and time.monotonic() < deadline:
-                time.sleep(0.002)
-            if process.poll() is None and kills < KILLS:
+            if kills < KILLS:
+                # kill moments are spread over the steps that are left, whatever the machine's
+                # speed: wait until the run has saved up to a random step ahead, then kill
+                done = _step(killed)
+                target = done + rng.randint(1, max(1, (STEPS - done) // (KILLS - kills + 1)))
+                deadline = time.monotonic() + 300
+                while process.poll() is None and _step(killed) < target and time.monotonic() < deadline:
+                    time.sleep(0.002)
                 if kills % 2:  # every other kill waits for a save (or rotation) in flight
                     deadline = time.monotonic() + 60
                     while not _in_flight(killed) and process.poll() is None and time.monotonic() < deadline:
                         time.sleep(0.0005)
                 else:
                     time.sleep(rng.uniform(0.0, 0.05))
+            elif not final_save_killed:  # then once while the final model is being written
+                deadline = time.monotonic() + 300
+                while not (killed / FINAL_TMP).exists() and process.poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.0002)
+            if process.poll() is None and (kills < KILLS or not final_save_killed):
                 process.send_signal(signal.SIGKILL)
                 process.wait()
-                kills += 1
-                if _in_flight(killed):
-                    inside_save += 1
-                newest_at_kill = list_checkpoints(killed)[-1]
+                if kills < KILLS:
+                    kills += 1
+                    inside_save += bool(_in_flight(killed))
+                else:
+                    final_save_killed = (killed / FINAL_TMP).exists()
             else:
                 assert process.wait(timeout=600) == 0, log_path.read_text()
         text = log_path.read_text()
@@ -109,15 +118,17 @@ def test_sigkill_at_random_moments_then_resume_finishes_like_an_uninterrupted_ru
         found = re.search(r"engine: resumed from (\S+) \(step (\d+)\)", text)
         if found:
             resumes.append(found.group(1))
-            assert found.group(1) == str(expected_resume)  # the newest complete one at the kill
-        expected_resume = newest_at_kill
-        if process.returncode == 0:
-            break
+            assert found.group(1) == str(expected_resume)  # the newest complete one when it stopped
+        expected_resume = list_checkpoints(killed)[-1] if list_checkpoints(killed) else None
+        if process.returncode == 0 and final_save_killed:
+            break  # (a run that finished before the final-save kill landed is simply resumed again)
 
-    print(f"{kills} kills, {inside_save} inside a save or a rotation; resumed from {resumes}")
+    print(f"{kills} kills, {inside_save} inside a save or a rotation, one in the final save; {starts} starts; "
+          f"resumed from {resumes}")
     assert kills == KILLS and inside_save >= 3, (kills, inside_save)
-    assert len(resumes) == kills  # every restart resumed...
+    assert len(resumes) == starts - 1  # every restart resumed...
     assert not _in_flight(killed)  # ...and leftovers were cleaned
+    verify_manifest(killed, FINAL_MARKER)
     assert _losses(killed) == _losses(reference)
     assert [step for step, _ in _losses(killed)] == list(range(1, STEPS + 1))
     expected = load_file(reference / "model.safetensors")
