@@ -254,10 +254,12 @@ def _describe(run_id: str | None, items: list[str]) -> str:
 
 
 def _clear(output_dir: Path, owners: dict[str | None, list[str]], record: dict[str, Any] | None) -> None:
-    """Remove what the engine wrote for ``owners`` (train.overwrite_output_dir)."""
-    from .checkpoint import delete_folder, final_model_files, list_checkpoints
+    """Remove what the engine wrote for the runs in ``owners`` (train.overwrite_output_dir)."""
+    from .checkpoint import delete_folder, final_model_files, list_checkpoints, read_manifest
+    from .errors import CheckpointError
 
-    if None in owners and (record is None or "model files" not in owners[None]):
+    recorded = record["run_id"] if record else None
+    if None in owners and (recorded is None or "model files" not in owners[None]):
         raise ConfigError(f"train.overwrite_output_dir: {output_dir} holds {_describe(None, owners[None])} "
                           "that no engine run claims; the engine deletes only what it wrote: move them "
                           "away or choose another train.output_dir")
@@ -265,13 +267,18 @@ def _clear(output_dir: Path, owners: dict[str | None, list[str]], record: dict[s
     for path in list_checkpoints(output_dir):
         if checkpoint_run_id(path) in doomed:
             delete_folder(path)
-    for name in [*final_model_files(output_dir), FINAL_MARKER, *RUN_FILES]:
-        (output_dir / name).unlink(missing_ok=True)
-    if record is not None and record["run_id"] in doomed:  # model files of an unfinished final save
-        for name in MODEL_FILES:
+    try:
+        final_owner = read_manifest(output_dir, FINAL_MARKER).get("run_id")
+    except CheckpointError:
+        final_owner = recorded  # no manifest: model files of the recorded run's unfinished save
+    if final_owner in doomed:
+        for name in [*final_model_files(output_dir), FINAL_MARKER, *MODEL_FILES]:
             (output_dir / name).unlink(missing_ok=True)
-    for path in output_dir.glob("model-*-of-*.safetensors"):
-        path.unlink()
+        for path in output_dir.glob("model-*-of-*.safetensors"):
+            path.unlink()
+    if recorded in doomed or recorded is None:
+        for name in RUN_FILES:
+            (output_dir / name).unlink(missing_ok=True)
     logger.info("train.overwrite_output_dir: removed %s from %s",
                 "; ".join(_describe(owner, items) for owner, items in owners.items()), output_dir)
 
@@ -347,15 +354,8 @@ def claim(run: Run) -> Claim:
                     held, resume = f"{held} but none of its checkpoints to resume", ""
                 raise ConfigError(f"train.output_dir: {output_dir} holds {held}; {resume}choose another "
                                   "train.output_dir, or set train.overwrite_output_dir = true to remove it first")
-            if resume_from is not None and _inside(resume_from, output_dir):
-                raise ConfigError(f"train.overwrite_output_dir would delete {resume_from}, the checkpoint "
-                                  "this run resumes; resume it without overwrite_output_dir")
             _clear(output_dir, others, record)
     except BaseException:
         lock.release()
         raise
     return Claim(run_id, resume_from, lock)
-
-
-def _inside(path: Path, folder: Path) -> bool:
-    return os.path.realpath(path).startswith(os.path.realpath(folder) + os.sep)

@@ -171,6 +171,20 @@ def test_overwrite_output_dir_removes_only_what_the_engine_wrote(tmp_path):
     assert [r["step"] for r in _metrics(tmp_path) if "loss" in r] == [1, 2]
 
 
+def test_overwrite_while_resuming_removes_the_other_run_and_keeps_this_ones(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    _run(a, {"save_strategy": "steps", "save_steps": 2, "max_steps": 2}).train()
+    _run(b, {"save_strategy": "steps", "save_steps": 3, "max_steps": 3}).train()
+    shutil.copytree(b / "checkpoint-3", a / "checkpoint-3")  # another run's
+    run = _run(a, {"resume_from_checkpoint": str(a / "checkpoint-2"), "overwrite_output_dir": True,
+                   "save_strategy": "steps", "save_steps": 2})
+    run.train()
+    assert sorted(p.name for p in a.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    assert [r["step"] for r in _metrics(a) if "loss" in r] == [1, 2, 3, 4]  # this run's history kept
+    record = _strict_json((a / RECORD).read_text())
+    assert record["run_id"] == run.run_id and len(record["starts"]) == 2
+
+
 def test_a_model_no_engine_run_wrote_is_never_deleted(tmp_path):
     tiny_model().save_pretrained(tmp_path)  # somebody's model, no run record, no manifest
     with pytest.raises(ConfigError, match=r"holds files of an unknown run \(model files\)"):
