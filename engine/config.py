@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -32,34 +33,48 @@ CORE_SECTIONS = ("train", "data")
 START_KEYS = ("resume_from_checkpoint", "overwrite_output_dir", "reset_optimizer", "output_dir")
 
 
-def option(default: Any = dataclasses.MISSING, *, help: str, default_factory: Any = dataclasses.MISSING):
-    """A dataclass field with a help text (shown by ``engine plan`` and the docs)."""
-    return field(default=default, default_factory=default_factory, metadata={"help": help})
+def option(default: Any = dataclasses.MISSING, *, help: str, default_factory: Any = dataclasses.MISSING,
+           min: float | None = None, max: float | None = None, below: float | None = None,
+           nonempty: bool = False):
+    """A dataclass field with a help text (shown by ``engine plan`` and the docs) and its valid range.
+
+    ``min`` / ``max`` bound a number inclusively, ``below`` exclusively from above; ``nonempty``
+    refuses an empty string. A value outside is refused naming its key and the range
+    ("train.adam_beta1: expected float in [0, 1), got 1.5"). Floats must be finite (no nan/inf).
+
+    Example::
+
+        rank: int = option(128, help="projection rank", min=1)
+        ratio: float = option(0.5, help="share of the tokens", min=0, max=1)
+    """
+    bounds = {"min": min, "max": max, "below": below, "nonempty": nonempty}
+    return field(default=default, default_factory=default_factory,
+                 metadata={"help": help, **{k: v for k, v in bounds.items() if v not in (None, False)}})
 
 
 @dataclass
 class TrainConfig:
     """``[train]``: the model, the optimizer and the loop. Names follow ``TrainingArguments``."""
 
-    model: str = option("tiny-llama", help=(
+    model: str = option("tiny-llama", nonempty=True, help=(
         "builtin config name (tiny-llama, small-llama), a local HF folder (from_pretrained), "
         "a config .json file (random weights) or 'package.module:function' returning an nn.Module"))
     model_config: dict[str, Any] = option(default_factory=dict, help=(
         "overrides applied to the model config when building from a name or .json file"))
-    output_dir: str = option("output", help="where metrics, checkpoints and the final model go")
-    seed: int = option(42, help="seed for weights, data order and dropout")
-    max_steps: int = option(-1, help="total optimizer steps; > 0 overrides num_train_epochs")
-    num_train_epochs: float = option(3.0, help="epochs to train when max_steps <= 0")
-    per_device_train_batch_size: int = option(8, help="micro-batch size per device")
-    per_device_eval_batch_size: int = option(8, help="evaluation batch size per device")
-    gradient_accumulation_steps: int = option(1, help="micro-batches per optimizer step")
-    learning_rate: float = option(5e-5, help="peak learning rate")
-    weight_decay: float = option(0.0, help="decoupled weight decay (not applied to biases and norms)")
-    adam_beta1: float = option(0.9, help="Adam beta1")
-    adam_beta2: float = option(0.999, help="Adam beta2")
-    adam_epsilon: float = option(1e-8, help="Adam epsilon")
-    max_grad_norm: float = option(1.0, help="clip the global gradient norm to this; 0 disables")
-    optim: str = option("adamw_torch", help="optimizer name, as TrainingArguments.optim")
+    output_dir: str = option("output", nonempty=True, help="where metrics, checkpoints and the final model go")
+    seed: int = option(42, min=0, max=2**32 - 1, help="seed for weights, data order and dropout")
+    max_steps: int = option(-1, min=-1, help="total optimizer steps; > 0 overrides num_train_epochs")
+    num_train_epochs: float = option(3.0, min=0, help="epochs to train when max_steps <= 0")
+    per_device_train_batch_size: int = option(8, min=1, help="micro-batch size per device")
+    per_device_eval_batch_size: int = option(8, min=1, help="evaluation batch size per device")
+    gradient_accumulation_steps: int = option(1, min=1, help="micro-batches per optimizer step")
+    learning_rate: float = option(5e-5, min=0, help="peak learning rate")
+    weight_decay: float = option(0.0, min=0, help="decoupled weight decay (not applied to biases and norms)")
+    adam_beta1: float = option(0.9, min=0, below=1, help="Adam beta1")
+    adam_beta2: float = option(0.999, min=0, below=1, help="Adam beta2")
+    adam_epsilon: float = option(1e-8, min=0, help="Adam epsilon")
+    max_grad_norm: float = option(1.0, min=0, help="clip the global gradient norm to this; 0 disables")
+    optim: str = option("adamw_torch", nonempty=True, help="optimizer name, as TrainingArguments.optim")
     optim_args: str | None = option(None, help="extra optimizer arguments 'key=value,key=value'")
     optim_target_modules: list[str] | str | None = option(None, help=(
         "modules an optimizer such as GaLore applies to (regexes or names)"))
@@ -67,21 +82,21 @@ class TrainConfig:
         "linear, cosine, constant, constant_with_warmup, polynomial or a plugin's name"))
     lr_scheduler_kwargs: dict[str, Any] = option(default_factory=dict, help=(
         "extra scheduler arguments (e.g. power, lr_end for polynomial)"))
-    warmup_steps: int = option(0, help="linear warmup steps; > 0 overrides warmup_ratio")
-    warmup_ratio: float = option(0.0, help="warmup as a fraction of the total steps")
-    label_smoothing_factor: float = option(0.0, help="label smoothing for the default loss")
+    warmup_steps: int = option(0, min=0, help="linear warmup steps; > 0 overrides warmup_ratio")
+    warmup_ratio: float = option(0.0, min=0, max=1, help="warmup as a fraction of the total steps")
+    label_smoothing_factor: float = option(0.0, min=0, below=1, help="label smoothing for the default loss")
     bf16: bool = option(False, help="bfloat16 autocast (CPU or GPU)")
     fp16: bool = option(False, help="float16 autocast with loss scaling (GPU only)")
     use_cpu: bool = option(False, help="train on the CPU even when a GPU is present")
     strategy: str = option("auto", help=(
         "distributed strategy name; 'auto' takes the one an enabled plugin provides, else 'single'"))
-    logging_steps: int = option(10, help="log metrics every N optimizer steps")
+    logging_steps: int = option(10, min=1, help="log metrics every N optimizer steps")
     logging_first_step: bool = option(False, help="also log after the first step")
     eval_strategy: Literal["no", "steps", "epoch"] = option("no", help="when to evaluate")
-    eval_steps: int | None = option(None, help="evaluate every N steps (default: logging_steps)")
+    eval_steps: int | None = option(None, min=1, help="evaluate every N steps (default: logging_steps)")
     save_strategy: Literal["no", "steps", "epoch"] = option("steps", help="when to save a checkpoint")
-    save_steps: int = option(500, help="save every N steps when save_strategy = 'steps'")
-    save_total_limit: int | None = option(None, help=(
+    save_steps: int = option(500, min=1, help="save every N steps when save_strategy = 'steps'")
+    save_total_limit: int | None = option(None, min=1, help=(
         "keep at most this many checkpoints (oldest deleted first; the best one is always kept)"))
     save_final_model: bool = option(True, help=(
         "save the final model (HF layout) and tokenizer to output_dir when training ends"))
@@ -96,7 +111,7 @@ class TrainConfig:
     on_nonfinite: Literal["stop", "skip"] = option("stop", help=(
         "a nan/inf loss, gradient norm or weight: 'stop' the run (exit status 3, nothing "
         "non-finite saved) or 'skip' the update (costs one host sync per step)"))
-    max_skipped_in_a_row: int = option(10, help=(
+    max_skipped_in_a_row: int = option(10, min=1, help=(
         "on_nonfinite = 'skip': stop the run after this many skipped steps in a row"))
     load_best_model_at_end: bool = option(False, help=(
         "track the best checkpoint by metric_for_best_model and load it when training ends"))
@@ -108,7 +123,7 @@ class TrainConfig:
     prediction_loss_only: bool = option(False, help="evaluation returns the loss only (no compute_metrics)")
     compute_metrics: str | None = option(None, help=(
         "'package.module:function' taking an EvalPrediction and returning a dict of floats"))
-    dataloader_num_workers: int = option(0, help="DataLoader worker processes")
+    dataloader_num_workers: int = option(0, min=0, help="DataLoader worker processes")
     dataloader_drop_last: bool = option(False, help="drop the last incomplete batch")
     disable_tqdm: bool = option(False, help="no console progress bar")
     log_level: Literal["passive", "debug", "info", "warning", "error", "critical"] = option("passive", help=(
@@ -125,17 +140,17 @@ class TrainConfig:
 class DataConfig:
     """``[data]``: the tokenizer and the datasets."""
 
-    train: str = option("embedded", help=(
+    train: str = option("embedded", nonempty=True, help=(
         "'embedded' (docstrings that ship with Python), a .txt/.jsonl/.json/.parquet file, or "
         "'package.module:function' taking the tokenizer and returning a torch Dataset"))
     eval: str | None = option(None, help="evaluation data, same forms as train")
-    eval_split: float = option(0.0, help="fraction of the train documents held out for eval when eval is unset")
-    text_column: str = option("text", help="column holding the text in .jsonl/.json/.parquet files")
-    max_length: int = option(128, help="tokens per example")
+    eval_split: float = option(0.0, min=0, below=1, help="fraction of the train documents held out for eval when eval is unset")
+    text_column: str = option("text", nonempty=True, help="column holding the text in .jsonl/.json/.parquet files")
+    max_length: int = option(128, min=2, help="tokens per example")
     packing: bool = option(True, help="concatenate documents and cut into max_length blocks; else pad")
-    tokenizer: str = option("auto", help=(
+    tokenizer: str = option("auto", nonempty=True, help=(
         "'auto' (the model folder's tokenizer, else train one), 'train', or a local tokenizer folder"))
-    tokenizer_vocab_size: int = option(1024, help="vocabulary size of a trained tokenizer")
+    tokenizer_vocab_size: int = option(1024, min=258, help="vocabulary size of a trained tokenizer")
 
 
 # ---------------------------------------------------------------------------- validation
@@ -192,6 +207,8 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             return None
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ConfigError(f"{path}: expected a finite float, got {value}")
             return float(value)
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
@@ -213,10 +230,31 @@ def from_mapping(cls: type, data: dict[str, Any], path: str) -> Any:
             hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(fields)}"
             raise ConfigError(f"{path}.{key}: unknown key{hint}")
     kwargs = {key: _convert(value, hints[key], f"{path}.{key}") for key, value in data.items()}
+    for key, value in kwargs.items():
+        _check_bounds(fields[key].metadata, value, hints[key], f"{path}.{key}")
     try:
         return cls(**kwargs)
     except TypeError as exc:  # a required field without default was not given
         raise ConfigError(f"{path}: {exc}") from None
+
+
+def _check_bounds(metadata: Any, value: Any, tp: Any, path: str) -> None:
+    """Refuse ``value`` outside the range its :func:`option` declares."""
+    if metadata.get("nonempty") and value == "":
+        raise ConfigError(f"{path}: expected a non-empty string, got ''")
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return
+    low, high, below = metadata.get("min"), metadata.get("max"), metadata.get("below")
+    if (low is None or value >= low) and (high is None or value <= high) and (below is None or value < below):
+        return
+    kind = "int" if isinstance(value, int) else "float"
+    if low is not None and (high is not None or below is not None):
+        expected = f"{kind} in [{low}, {high}]" if high is not None else f"{kind} in [{low}, {below})"
+    elif low is not None:
+        expected = f"{kind} >= {low}"
+    else:
+        expected = f"{kind} <= {high}" if high is not None else f"{kind} < {below}"
+    raise ConfigError(f"{path}: expected {expected}, got {value}")
 
 
 def to_mapping(instance: Any) -> dict[str, Any]:
@@ -227,15 +265,34 @@ def to_mapping(instance: Any) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- run files
 
 
+MAX_RUN_FILE_BYTES = 1 << 20
+
+
 def read_run_file(path: str | Path) -> dict[str, Any]:
-    """Parse a TOML run file; a missing file or a syntax error is a ConfigError."""
+    """Parse a TOML run file; a missing, special, oversized or non-UTF-8 file or a syntax error is a ConfigError.
+
+    A UTF-8 byte-order mark (as some Windows editors write) is accepted.
+    """
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"run file not found: {path}") from None
+        if not path.is_file():
+            what = "a folder" if path.is_dir() else "not a regular file" if path.exists() else None
+            if what is None:
+                raise ConfigError(f"run file not found: {path}")
+            raise ConfigError(f"run file {path} is {what}; name a .toml file")
+        size = path.stat().st_size
+        if size > MAX_RUN_FILE_BYTES:
+            raise ConfigError(f"run file {path} is {size:,} bytes, more than a run file's {MAX_RUN_FILE_BYTES:,}: "
+                              "is it the right file?")
+        data = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read run file {path}: {exc.strerror}") from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise ConfigError(f"run file {path} is not UTF-8 text (byte 0x{data[exc.start]:02x} on line {line}); "
+                          "save it as UTF-8") from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -263,6 +320,8 @@ def apply_overrides(raw: dict[str, Any], sets: list[str] = (), plugin_edits: lis
     Returns a new mapping; ``raw`` is not modified.
     """
     raw = _deep_copy(raw)
+    if plugin_edits:
+        enabled_plugins(raw)  # an edit of a malformed list would edit its characters
     for item in sets:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():

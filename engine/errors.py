@@ -28,6 +28,14 @@ class CheckpointError(EngineError):
     """A checkpoint is missing, incomplete or does not match the run."""
 
 
+class UserCodeError(EngineError):
+    """Code the run names (a model factory, a data function, compute_metrics, a plugin) raised.
+
+    The message names the config key, the code and the exception; the original exception is
+    its ``__cause__`` (``engine --traceback`` prints it).
+    """
+
+
 class TrainingDiverged(EngineError):
     """The loss, the gradient norm or the weights became non-finite (nan or inf).
 

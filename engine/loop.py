@@ -77,6 +77,7 @@ import torch
 from . import checkpoint, rundir
 from .errors import ConfigError, TrainingDiverged
 from .loss import count_items, logits_of
+from .util import call_user
 
 if TYPE_CHECKING:
     from .run import Run
@@ -450,7 +451,13 @@ def _evaluate_one(run: Run, dataset: Any, prefix: str, want_predictions: bool) -
     all_predictions = _concat_padded(predictions)
     all_labels = _concat_padded(label_ids) if label_ids else None
     if use_metrics:
-        for key, value in run.compute_metrics(EvalPrediction(all_predictions, all_labels)).items():
+        function = run.compute_metrics
+        name = getattr(function, "__qualname__", type(function).__name__)
+        computed = call_user(run.compute_metrics_key, name, function, EvalPrediction(all_predictions, all_labels))
+        if not isinstance(computed, dict) or not all(isinstance(k, str) for k in computed):
+            raise ConfigError(f"{run.compute_metrics_key}: {name} returned {type(computed).__name__}, expected a dict "
+                              "of metric name -> number")
+        for key, value in computed.items():
             metrics[key if key.startswith(prefix + "_") else f"{prefix}_{key}"] = value
     return metrics, all_predictions, all_labels
 

@@ -14,7 +14,10 @@ and special token ids.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +26,7 @@ import torch
 from .checkpoint import check_model_folder
 from .config import TrainConfig
 from .errors import ConfigError
-from .util import is_callable_spec, load_callable
+from .util import call_user, is_callable_spec, load_callable
 
 _LLAMA = {"model_type": "llama", "hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
 BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
@@ -42,44 +45,67 @@ def build_model(train: TrainConfig, tokenizer: Any = None) -> torch.nn.Module:
     """The model named by ``train.model`` (see the module docstring)."""
     spec = train.model
     if is_callable_spec(spec):
-        model = load_callable(spec, "train.model")(tokenizer)
+        model = call_user("train.model", spec, load_callable(spec, "train.model"), tokenizer)
         if not isinstance(model, torch.nn.Module):
-            raise ConfigError(f"train.model: {spec!r} returned {type(model).__name__}, expected torch.nn.Module")
+            raise ConfigError(f"train.model: {spec} returned {type(model).__name__}, expected a torch.nn.Module")
         return model
+    if Path(spec).is_dir():  # its files were checked by check_model when setup began
+        import transformers
+
+        return _model_class(transformers.AutoConfig.from_pretrained(spec)).from_pretrained(spec)
+    config = model_config(train, tokenizer)
+    torch.manual_seed(train.seed)
+    return _instantiate(config)
+
+
+def model_config(train: TrainConfig, tokenizer: Any = None) -> Any:
+    """The transformers config of the model ``train.model`` names (None for a model factory).
+
+    Built from a folder's config.json, a .json file or a builtin name, with ``train.model_config``
+    on top and, given a tokenizer, its vocabulary size and special token ids. A bad value is a
+    ConfigError naming its key: transformers' own validation, turned into one line.
+    """
+    import transformers
+
+    spec = train.model
+    if is_callable_spec(spec):
+        return None
     path = Path(spec)
     if path.is_dir():
         check_model_folder(path, "train.model")
-        return _from_pretrained(path)
+        return transformers.AutoConfig.from_pretrained(path)
     if spec.endswith(".json"):
-        try:
-            config = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"train.model: config file not found: {spec}") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"train.model: {spec} is not valid JSON: {exc}") from None
-        return _from_config(config, train, tokenizer)
+        return _config_from_values(_read_config_file(path), train, tokenizer, source=spec)
     if spec in BUILTIN_CONFIGS:
-        return _from_config(dict(BUILTIN_CONFIGS[spec]), train, tokenizer)
+        return _config_from_values(dict(BUILTIN_CONFIGS[spec]), train, tokenizer, source=spec)
     raise ConfigError(
         f"train.model: {spec!r} is not a folder, a .json config, 'package.module:function' or a "
         f"builtin name ({', '.join(BUILTIN_CONFIGS)})"
     )
 
 
-def _from_pretrained(path: Path) -> torch.nn.Module:
-    import transformers
+def _read_config_file(path: Path) -> dict[str, Any]:
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"train.model: config file not found: {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"train.model: {path} is not valid JSON: {exc}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"train.model: {path} holds a JSON {type(values).__name__ if values is not None else 'null'},"
+                          " expected an object with a model_type (a transformers config)")
+    return values
 
-    config = transformers.AutoConfig.from_pretrained(path)
-    return _model_class(config).from_pretrained(path)
 
-
-def _from_config(values: dict[str, Any], train: TrainConfig, tokenizer: Any) -> torch.nn.Module:
+def _config_from_values(values: dict[str, Any], train: TrainConfig, tokenizer: Any, source: str) -> Any:
     import transformers
 
     values = dict(values)
     model_type = values.pop("model_type", None)
-    if model_type not in transformers.CONFIG_MAPPING:
-        raise ConfigError(f"train.model: config needs a known 'model_type', got {model_type!r}")
+    if not isinstance(model_type, str) or model_type not in transformers.CONFIG_MAPPING:
+        close = difflib.get_close_matches(str(model_type), list(transformers.CONFIG_MAPPING), n=3)
+        hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+        raise ConfigError(f"train.model: {source} needs a known 'model_type', got {model_type!r}{hint}")
     if tokenizer is not None:
         values["vocab_size"] = len(tokenizer)
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
@@ -91,10 +117,85 @@ def _from_config(values: dict[str, Any], train: TrainConfig, tokenizer: Any) -> 
     if unknown:
         raise ConfigError(f"train.model_config: {model_type} config has no key {unknown[0]!r}")
     values.update(train.model_config)
-    config = config_class(**values)
-    torch.manual_seed(train.seed)
+    try:
+        return config_class(**values)
+    except Exception as exc:  # transformers validates its configs: name the key it refused
+        raise _config_error(exc, model_type, train.model_config, source) from None
+
+
+def _config_error(exc: Exception, model_type: str, overrides: dict[str, Any], source: str) -> ConfigError:
+    message = str(exc.__cause__ or exc)
+    field = re.search(r"for field '(\w+)'", str(exc))
+    if field and field.group(1) in overrides:
+        return ConfigError(f"train.model_config.{field.group(1)}: {message}")
+    where = "train.model_config" if overrides else f"train.model: {source}"
+    return ConfigError(f"{where}: the {model_type} config refuses it: {type(exc.__cause__ or exc).__name__}: {message}")
+
+
+def _instantiate(config: Any) -> torch.nn.Module:
+    import transformers
+
     cls = _model_class(config)
     return cls.from_config(config) if cls is transformers.AutoModelForCausalLM else cls(config)
+
+
+# Config attributes that hold how many positions a model has, by architecture family.
+POSITION_ATTRIBUTES = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx")
+
+
+def max_positions(config: Any) -> tuple[int, str] | None:
+    """(positions, attribute) of a model config, when it declares how many it has."""
+    for name in POSITION_ATTRIBUTES:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value, name
+    return None
+
+
+def check_positions(config: Any, max_length: int, where: str) -> None:
+    """Refuse examples longer than the model's positions (GPT-2 would fail mid-training, Llama extrapolate)."""
+    found = max_positions(config)
+    if found is not None and max_length > found[0]:
+        positions, name = found
+        raise ConfigError(f"data.max_length: {max_length} tokens per example, but {where} has {positions} positions "
+                          f"({name}); lower data.max_length, or raise train.model_config.{name}")
+
+
+def check_model(train: TrainConfig, max_length: int) -> None:
+    """Before the tokenizer, data or weights load: the model's config, built on the meta device.
+
+    A config-built model runs one forward pass there (shapes only, no memory, ~0.1 s), which
+    finds sizes that do not fit together (heads, key/value heads, negative sizes) as one
+    ConfigError instead of a traceback in the middle of setup.
+    """
+    config = model_config(train)
+    if config is None:
+        return
+    check_positions(config, max_length, f"the model ({train.model})")
+    if Path(train.model).is_dir():
+        return  # a saved model's config was valid when it was trained
+    length = min(max_length, 16)
+    try:
+        with torch.device("meta"):
+            model = _instantiate(config)
+            ids = torch.zeros(2, length, dtype=torch.long)
+            model(input_ids=ids, labels=ids)
+    except Exception as exc:
+        where = "train.model_config" if train.model_config else f"train.model: {train.model}"
+        raise ConfigError(f"{where}: a {config.model_type} model with this config fails on a test batch: "
+                          f"{type(exc).__name__}: {exc}") from None
+
+
+def check_forward(model: torch.nn.Module, key: str) -> None:
+    """Refuse a model whose forward cannot take the batches the default loss passes (``model(**batch)``)."""
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return
+    if not any(p.name == "input_ids" or p.kind is p.VAR_KEYWORD for p in parameters):
+        raise ConfigError(f"{key}: {type(model).__name__}.forward{inspect.signature(model.forward)} takes no "
+                          "input_ids; the default loss calls model(input_ids=..., attention_mask=..., labels=...): "
+                          "accept them, or add a plugin whose compute_loss calls the model its way")
 
 
 def _model_class(config: Any) -> Any:

@@ -153,7 +153,7 @@ class Run:
         self.registries = self.plugin_manager.registries
         self.config = cfg.compose(raw, self.plugin_manager.option_schemas())
         _resolve_defaults(self.config.train)
-        _check_values(self.config.train, self.config.data)
+        _check_values(self.config.train)
         # levels for what configure logs; setup() sets them again from the strategy's ranks
         setup_logging(self.config.train, int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")))
 
@@ -166,6 +166,7 @@ class Run:
         self.eval_dataset = eval_dataset
         self.data_collator = data_collator
         self.compute_metrics = compute_metrics
+        self.compute_metrics_key = "compute_metrics"  # where it came from, for errors it raises
         self.strategy: Any = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
@@ -189,13 +190,17 @@ class Run:
             return
         from . import data as data_mod
         from .loss import shifts_labels
-        from .models import build_model
+        from .models import build_model, check_model
 
         train, data = self.config.train, self.config.data
         self.strategy = self.hook.create_strategy(run=self)
         self.strategy.setup()
         setup_logging(train, self.strategy.rank, self.strategy.local_rank)
         set_seed(train.seed)
+        if self.model is None:
+            check_model(train, data.max_length)  # its config, before the tokenizer, data and weights load
+        else:
+            self._check_model("model")
         needs_text_data = self.train_dataset is None
         if self.tokenizer is None and (needs_text_data or self.model is None):
             self.tokenizer = data_mod.build_tokenizer(data, train.model)
@@ -210,9 +215,11 @@ class Run:
             from .util import load_callable
 
             self.compute_metrics = load_callable(train.compute_metrics, "train.compute_metrics")
+            self.compute_metrics_key = "train.compute_metrics"
         if self.model is None:
             with self.strategy.model_init_context():
                 self.model = build_model(train, self.tokenizer)
+            self._check_model("train.model")
         self.label_shift = shifts_labels(self.model)
         vocab_size = getattr(getattr(self.model, "config", None), "vocab_size", None)
         if vocab_size is not None and self.tokenizer is not None and len(self.tokenizer) > vocab_size:
@@ -228,6 +235,22 @@ class Run:
         self.scheduler = self.hook.create_scheduler(run=self, optimizer=self.optimizer)
         self.is_setup = True
 
+    def _check_model(self, key: str) -> None:
+        """The model fits the data (positions) and, with the default loss, takes ``model(**batch)``."""
+        from .models import check_forward, check_positions
+
+        config = getattr(self.model, "config", None)
+        if config is not None:
+            check_positions(config, self.config.data.max_length, "the model")
+        if self.uses_builtin_loss:
+            check_forward(self.model, key)
+
+    @property
+    def uses_builtin_loss(self) -> bool:
+        """No enabled plugin answers ``compute_loss`` (wrappers around the builtin aside)."""
+        return all(impl.plugin_name.startswith("builtin.") or impl.wrapper or impl.hookwrapper
+                   for impl in self.hook.compute_loss.get_hookimpls())
+
     def _train_loader(self) -> torch.utils.data.DataLoader:
         train = self.config.train
         dataset = self.train_dataset
@@ -239,6 +262,11 @@ class Run:
                 raise ConfigError("train dataset has no len(); use an IterableDataset with train.max_steps") from None
             if length == 0:
                 raise ConfigError("the train dataset is empty")
+            batch = train.per_device_train_batch_size * self.strategy.world_size
+            if batch > length:  # every step would silently be the whole dataset
+                raise ConfigError(f"train.per_device_train_batch_size: {train.per_device_train_batch_size} per device "
+                                  f"x {self.strategy.world_size} process(es) is more than the {length} train examples; "
+                                  "lower it, or give more data")
             sampler = EpochSampler(length, train.seed, True, self.strategy.rank, self.strategy.world_size)
         elif train.max_steps <= 0:
             raise ConfigError("train.max_steps: an IterableDataset has no length; set train.max_steps > 0")
@@ -316,35 +344,10 @@ def _resolve_defaults(train: cfg.TrainConfig) -> None:
         train.greater_is_better = not train.metric_for_best_model.endswith("loss")
 
 
-def _check_values(train: cfg.TrainConfig, data: cfg.DataConfig) -> None:
-    """Range checks that the type system cannot express."""
-    positive = ("per_device_train_batch_size", "per_device_eval_batch_size",
-                "gradient_accumulation_steps", "logging_steps", "save_steps")
-    for name in positive:
-        if getattr(train, name) < 1:
-            raise ConfigError(f"train.{name}: expected int >= 1, got {getattr(train, name)}")
-    if train.eval_steps is not None and train.eval_steps < 1:
-        raise ConfigError(f"train.eval_steps: expected int >= 1, got {train.eval_steps}")
+def _check_values(train: cfg.TrainConfig) -> None:
+    """Checks across keys (each key's own range is declared with its option)."""
     if train.max_steps <= 0 and train.num_train_epochs <= 0:
         raise ConfigError("train.max_steps / train.num_train_epochs: set max_steps > 0 or num_train_epochs > 0")
-    for name in ("adam_beta1", "adam_beta2"):
-        if not 0 <= getattr(train, name) < 1:
-            raise ConfigError(f"train.{name}: expected float in [0, 1), got {getattr(train, name)}")
-    for name in ("adam_epsilon", "weight_decay"):
-        if getattr(train, name) < 0:
-            raise ConfigError(f"train.{name}: expected float >= 0, got {getattr(train, name)}")
-    if train.learning_rate < 0:
-        raise ConfigError(f"train.learning_rate: expected float >= 0, got {train.learning_rate}")
-    if not 0 <= train.warmup_ratio <= 1:
-        raise ConfigError(f"train.warmup_ratio: expected float in [0, 1], got {train.warmup_ratio}")
-    if train.max_grad_norm < 0:
-        raise ConfigError(f"train.max_grad_norm: expected float >= 0 (0 disables), got {train.max_grad_norm}")
-    if not 0 <= train.label_smoothing_factor < 1:
-        raise ConfigError(f"train.label_smoothing_factor: expected float in [0, 1), got {train.label_smoothing_factor}")
-    if train.max_skipped_in_a_row < 1:
-        raise ConfigError(f"train.max_skipped_in_a_row: expected int >= 1, got {train.max_skipped_in_a_row}")
-    if train.save_total_limit is not None and train.save_total_limit < 1:
-        raise ConfigError(f"train.save_total_limit: expected int >= 1 (or unset: keep all), got {train.save_total_limit}")
     if train.load_best_model_at_end:
         if train.eval_strategy == "no":
             raise ConfigError("train.load_best_model_at_end needs evaluations: set train.eval_strategy")
@@ -357,5 +360,3 @@ def _check_values(train: cfg.TrainConfig, data: cfg.DataConfig) -> None:
                               f"multiple of eval_steps ({eval_steps})")
     if train.bf16 and train.fp16:
         raise ConfigError("train.bf16 and train.fp16 are both true; pick one")
-    if data.max_length < 2:
-        raise ConfigError(f"data.max_length: expected int >= 2, got {data.max_length}")

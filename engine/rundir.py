@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import __version__
 from .config import START_KEYS
-from .errors import ConfigError
+from .errors import CheckpointError, ConfigError
 from .layout import FINAL_MARKER, LOCK, MARKER, MODEL_FILES, RECORD, RUN_FILES
 from .util import dumps_json, write_json
 
@@ -214,7 +214,6 @@ def versions(run: Run) -> dict[str, Any]:
 def checkpoint_run_id(path: Path) -> str | None:
     """The run id a checkpoint's manifest names (None for one without a readable manifest)."""
     from .checkpoint import read_manifest
-    from .errors import CheckpointError
 
     try:
         return read_manifest(path, MARKER).get("run_id")
@@ -225,7 +224,6 @@ def checkpoint_run_id(path: Path) -> str | None:
 def _run_work(output_dir: Path, record: dict[str, Any] | None) -> dict[str | None, list[str]]:
     """What the folder holds, by the run id that wrote it: checkpoint names and "a final model"."""
     from .checkpoint import list_checkpoints, read_manifest
-    from .errors import CheckpointError
 
     work: dict[str | None, list[str]] = {}
     for path in list_checkpoints(output_dir):
@@ -255,8 +253,12 @@ def _describe(run_id: str | None, items: list[str]) -> str:
 
 def _clear(output_dir: Path, owners: dict[str | None, list[str]], record: dict[str, Any] | None) -> None:
     """Remove what the engine wrote for the runs in ``owners`` (train.overwrite_output_dir)."""
-    from .checkpoint import delete_folder, final_model_files, list_checkpoints, read_manifest
-    from .errors import CheckpointError
+    from .checkpoint import (
+        delete_folder,
+        final_model_files,
+        list_checkpoints,
+        read_manifest,
+    )
 
     recorded = record["run_id"] if record else None
     if None in owners and (recorded is None or "model files" not in owners[None]):

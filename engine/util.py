@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import math
 import os
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import ConfigError, MissingDependencyError
+from .errors import ConfigError, EngineError, MissingDependencyError, UserCodeError
 
 
 def is_callable_spec(spec: str) -> bool:
@@ -20,16 +21,20 @@ def is_callable_spec(spec: str) -> bool:
 def load_callable(spec: str, key: str) -> Callable[..., Any]:
     """Import ``"package.module:function"`` named by config key ``key``.
 
-    A malformed spec, a missing module or a missing attribute is a :class:`ConfigError` that
-    names ``key`` and the spec.
+    A malformed spec, a module that is missing or fails to import (a syntax error, an exception
+    at import) or a missing attribute is an error that names ``key`` and the spec.
     """
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(f"{key}: expected 'package.module:function', got {spec!r}")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"{key}: cannot import module {module_name!r} ({exc})") from exc
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise ConfigError(f"{key}: no module named {exc.name!r} (from {spec!r}; is it on PYTHONPATH?)") from None
+        raise UserCodeError(f"{key}: importing {module_name!r} failed: {_describe(exc)}") from exc
+    except Exception as exc:  # the module's own code failed: say where
+        raise UserCodeError(f"{key}: importing {module_name!r} failed: {_describe(exc)}") from exc
     target: Any = module
     for part in attr.split("."):
         try:
@@ -41,11 +46,39 @@ def load_callable(spec: str, key: str) -> Callable[..., Any]:
     return target
 
 
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, SyntaxError):
+        return f"SyntaxError: {exc.msg} ({exc.filename}, line {exc.lineno})"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def call_user(key: str, name: str, function: Callable[..., Any], *args: Any) -> Any:
+    """Call user code (a model factory, a data function, compute_metrics) that config ``key`` names.
+
+    Arguments it cannot take, or an exception it raises, become one error naming ``key``, the
+    code and the exception (:class:`UserCodeError`; the exception is its ``__cause__``).
+    """
+    try:
+        inspect.signature(function).bind(*args)
+    except TypeError:
+        raise ConfigError(f"{key}: {name} takes {inspect.signature(function)}, but is called with "
+                          f"{len(args)} argument(s)") from None
+    except ValueError:  # no signature (a builtin): let the call say
+        pass
+    try:
+        return function(*args)
+    except EngineError:
+        raise
+    except Exception as exc:
+        raise UserCodeError(f"{key}: {name} raised {_describe(exc)}") from exc
+
+
 def require(module: str, package: str | None = None, feature: str = "", extra: str | None = None) -> Any:
     """Import ``module`` or raise :class:`MissingDependencyError` naming what to install.
 
     ``extra`` names the engine extra that provides it (``pip install 'engine[galore]'``);
-    otherwise the message names the pip ``package``.
+    otherwise the message names the pip ``package``. A package that is installed but fails to
+    import (a broken build, a missing shared library) is reported with its own error instead.
 
     Example::
 
@@ -56,10 +89,28 @@ def require(module: str, package: str | None = None, feature: str = "", extra: s
         return importlib.import_module(module)
     except ImportError as exc:
         what = f" for {feature}" if feature else ""
-        install = f"pip install 'engine[{extra}]'" if extra else f"pip install {package or module}"
+        if is_missing(exc, module):
+            install = f"pip install 'engine[{extra}]'" if extra else f"pip install {package or module}"
+            raise MissingDependencyError(
+                f"package {package or module!r} is needed{what} (missing module {exc.name or module!r}): {install}"
+            ) from exc
         raise MissingDependencyError(
-            f"package {package or module!r} is needed{what} (missing module {exc.name or module!r}): {install}"
-        ) from exc
+            f"package {package or module!r} is installed but fails to import{what}: {_describe(exc)}; "
+            f"reinstall it (pip install --force-reinstall {package or module})") from exc
+
+
+def is_missing(exc: ImportError, module: str) -> bool:
+    """Whether ``exc`` (raised importing ``module``) means a module is not installed, not that one is broken."""
+    import importlib.util
+
+    if not isinstance(exc, ModuleNotFoundError) or not exc.name:
+        return False  # e.g. a shared library that does not load: the package is there, broken
+    if exc.name == module or module.startswith(exc.name + "."):
+        return True
+    try:  # a dependency the module imports: missing if it cannot be found at all
+        return importlib.util.find_spec(exc.name.split(".")[0]) is None
+    except (ImportError, ValueError):
+        return True
 
 
 def finite_json(value: Any) -> Any:

@@ -256,7 +256,7 @@ def _all_finite(tensors):
     return all(torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point())
 
 
-@pytest.mark.parametrize("learning_rate", ["1e6", "inf"])
+@pytest.mark.parametrize("learning_rate", ["1e6", "1e30"])
 def test_a_diverged_run_stops_with_status_3_and_leaves_no_nan_on_disk(tmp_path, learning_rate):
     out = tmp_path / "out"
     run_file = _run_file(tmp_path, out, max_steps=40, save_steps=2, logging_steps=5)

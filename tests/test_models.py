@@ -48,7 +48,7 @@ def test_callable_returns_the_model(tmp_path, monkeypatch):
         "    return 42\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert isinstance(build_model(TrainConfig(model="my_models:build")), torch.nn.Linear)
-    with pytest.raises(ConfigError, match="train.model: 'my_models:not_a_model' returned int, expected torch.nn.Module"):
+    with pytest.raises(ConfigError, match="train.model: my_models:not_a_model returned int, expected a torch.nn.Module"):
         build_model(TrainConfig(model="my_models:not_a_model"))
     with pytest.raises(ConfigError, match="train.model: module 'my_models' has no attribute 'absent'"):
         build_model(TrainConfig(model="my_models:absent"))
