@@ -56,7 +56,7 @@ import torch
 import xxhash
 
 from .config import START_KEYS
-from .errors import CheckpointError, ConfigError, TrainingDiverged
+from .errors import CheckpointError, ConfigError, PluginError, TrainingDiverged
 from .layout import (
     DELETING,
     FINAL_MARKER,
@@ -159,6 +159,17 @@ def verify_manifest(folder: Path, marker: str = MARKER, names: list[str] | None 
         if digest != files[name].get("xxh3_64"):
             raise CheckpointError(f"{folder}: {name} does not match its checksum (its bytes changed after the "
                                   "save); use another checkpoint")
+
+
+def saved_progress(folder: Path) -> tuple[int, float]:
+    """(step, epoch) at which a checkpoint or final model was saved ((0, 0.0) for other model folders)."""
+    if (folder / "trainer_state.json").is_file():
+        state = _read_trainer_state(folder)
+        return state["global_step"], float(state["epoch"])
+    if (folder / FINAL_MARKER).is_file():
+        manifest = read_manifest(folder, FINAL_MARKER)
+        return int(manifest.get("step") or 0), float(manifest.get("epoch") or 0.0)
+    return 0, 0.0
 
 
 def final_model_files(folder: Path) -> list[str]:
@@ -355,14 +366,27 @@ def diverged(run: Run, what: str, step: int | None = None) -> TrainingDiverged:
 
 def _weight_files(folder: Path) -> list[Path]:
     """The safetensors files of a model folder (one file, or the shards an index names)."""
-    if (folder / WEIGHTS_INDEX).is_file():
-        index = json.loads((folder / WEIGHTS_INDEX).read_text())
-        return [folder / name for name in sorted(set(index["weight_map"].values()))]
-    return [folder / WEIGHTS]
+    index_path = folder / WEIGHTS_INDEX
+    if not index_path.is_file():
+        return [folder / WEIGHTS]
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise CheckpointError(f"{folder}: {WEIGHTS_INDEX} is not valid JSON") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(name, str) and name and "/" not in name and "\\" not in name for name in weight_map.values()):
+        raise CheckpointError(f"{folder}: {WEIGHTS_INDEX} has no weight_map of tensor name -> file name in the folder")
+    return [folder / name for name in sorted(set(weight_map.values()))]
+
+
+# bytes per element of each safetensors dtype
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2, "I16": 2,
+                "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8, "C64": 8}
 
 
 def _check_safetensors(path: Path) -> None:
-    """Refuse a missing or truncated safetensors file from its header, without loading it."""
+    """Refuse a missing, truncated or malformed safetensors file from its header, without loading it."""
     if not path.is_file():
         raise CheckpointError(f"{path.parent}: {path.name} is missing")
     size = path.stat().st_size
@@ -373,12 +397,39 @@ def _check_safetensors(path: Path) -> None:
             raise CheckpointError(f"{path.parent}: {path.name} is truncated ({size} bytes)")
         try:
             header = json.loads(handle.read(header_len))
-        except ValueError:
+        except (ValueError, UnicodeDecodeError):
             raise CheckpointError(f"{path.parent}: {path.name} is not a safetensors file") from None
-    data_end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path.parent}: {path.name} has a malformed header (not a JSON object)")
+    data_end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        problem = _tensor_entry_problem(entry)
+        if problem:
+            raise CheckpointError(f"{path.parent}: {path.name} has a malformed header: tensor {name!r} {problem}")
+        data_end = max(data_end, entry["data_offsets"][1])
     if 8 + header_len + data_end != size:
         raise CheckpointError(f"{path.parent}: {path.name} is truncated or padded "
                               f"({size} bytes, header says {8 + header_len + data_end})")
+
+
+def _tensor_entry_problem(entry: Any) -> str | None:
+    """What is wrong with one tensor's entry of a safetensors header (None: nothing)."""
+    if not isinstance(entry, dict):
+        return "is not an object"
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in _DTYPE_BYTES:
+        return f"has dtype {dtype!r}"
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape):
+        return f"has shape {shape!r}"
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        return f"has data_offsets {offsets!r}"
+    if offsets[1] - offsets[0] != math.prod(shape) * _DTYPE_BYTES[dtype]:
+        return f"of shape {shape} {dtype} does not fill its {offsets[1] - offsets[0]} bytes"
+    return None
 
 
 def check_model_folder(folder: Path, key: str) -> None:
@@ -515,6 +566,26 @@ def _rotate(run: Run) -> None:
 # ---------------------------------------------------------------------------- save
 
 
+_SAVABLE = (torch.Tensor, str, int, float, bool, type(None))
+
+
+def _check_savable(value: Any, plugin: str, where: str) -> None:
+    """Refuse plugin state that ``torch.load(weights_only=True)`` would not load back, naming the plugin."""
+    if isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _check_savable(item, plugin, f"{where}[{index}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, (str, int)):
+                raise PluginError(f"plugin {plugin!r}: checkpoint_state(){where} has a key of type "
+                                  f"{type(key).__name__}; use str or int keys")
+            _check_savable(item, plugin, f"{where}[{key!r}]")
+    elif not isinstance(value, _SAVABLE):
+        raise PluginError(f"plugin {plugin!r}: checkpoint_state(){where} is a {type(value).__name__}; checkpoints are "
+                          "loaded with weights_only=True and hold tensors, numbers, strings, booleans, None, lists "
+                          "and dicts: convert it (e.g. str() for a path)")
+
+
 def save(run: Run) -> Path:
     """Write a checkpoint for the current step, rotate old ones; returns its path."""
     strategy, state = run.strategy, run.state
@@ -522,6 +593,8 @@ def save(run: Run) -> Path:
     final = run.output_dir / f"{PREFIX}{state.global_step}"
     tmp = run.output_dir / f"{TMP}{final.name}"
     plugin_states = run.plugin_manager.per_plugin("checkpoint_state", run=run)
+    for plugin, plugin_state in plugin_states.items():
+        _check_savable(plugin_state, plugin, "")
     model_state = strategy.model_state_dict(run.model)
     optimizer_state = strategy.optimizer_state_dict(run.optimizer)
     if strategy.is_main_process:
@@ -573,7 +646,8 @@ def save_final_model(run: Run) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         with _writing("the final model", out, tmp):
             write_model(run, tmp, model_state)
-            write_manifest(tmp, FINAL_MARKER, run_id=run.run_id, step=run.state.global_step)
+            write_manifest(tmp, FINAL_MARKER, run_id=run.run_id, step=run.state.global_step,
+                           epoch=round(run.state.epoch, 4))
         previous = final_model_files(out)
         (out / FINAL_MARKER).unlink(missing_ok=True)
         names = sorted(p.name for p in tmp.iterdir() if p.name != FINAL_MARKER)
@@ -636,24 +710,21 @@ def validate(run: Run, path: Path) -> None:
     if missing:
         raise CheckpointError(f"resume_from_checkpoint: {path} is not a complete checkpoint "
                               f"(missing {', '.join(missing)})")
-    try:
-        trainer_state = json.loads((path / "trainer_state.json").read_text())
-    except ValueError as exc:
-        raise CheckpointError(f"checkpoint {path}: trainer_state.json is not valid JSON: {exc}") from None
-    if trainer_state.get("plugins") != list(run.config.plugins):
-        saved, now = set(trainer_state.get("plugins", [])), set(run.config.plugins)
+    trainer_state = _read_trainer_state(path)
+    if trainer_state["plugins"] != list(run.config.plugins):
+        saved, now = set(trainer_state["plugins"]), set(run.config.plugins)
         raise CheckpointError(
             f"resume_from_checkpoint: {path} was made with plugins {sorted(saved)}, this run enables "
             f"{sorted(now)} (only in checkpoint: {sorted(saved - now) or 'none'}; only in run: "
             f"{sorted(now - saved) or 'none'})")
     train = run.config.train
     changed = [f"train.{key} = {getattr(train, key)!r} (checkpoint: {value!r})"
-               for key, value in trainer_state.get("data_order", {}).items() if getattr(train, key) != value]
+               for key, value in trainer_state["data_order"].items() if getattr(train, key, value) != value]
     if changed:
         raise CheckpointError(f"resume_from_checkpoint: {path} was trained with a different data order: "
                               f"{'; '.join(changed)}. Resume with the checkpoint's values, or start a "
                               "fresh output_dir")
-    saved_optim = trainer_state.get("config", {}).get("train", {}).get("optim")
+    saved_optim = trainer_state["config"]["train"].get("optim")
     if saved_optim != train.optim and not train.reset_optimizer:
         raise CheckpointError(
             f"resume_from_checkpoint: {path} was trained with train.optim = {saved_optim!r}, this run asks for "
@@ -675,11 +746,52 @@ def validate(run: Run, path: Path) -> None:
         raise CheckpointError(f"checkpoint {exc}") from None
 
 
-def _load(path: Path, name: str, device: Any = "cpu") -> Any:
+# trainer_state.json: key -> the types its value may have (what validate requires to resume)
+_TRAINER_STATE = {"global_step": (int,), "epoch": (int, float), "steps_per_epoch": (int,), "log_history": (list,),
+                  "plugins": (list,), "world_size": (int,), "data_order": (dict,), "config": (dict,),
+                  "num_input_tokens_seen": (int,), "num_skipped_steps": (int,), "best_metric": (int, float, type(None)),
+                  "best_global_step": (int, type(None)), "best_model_checkpoint": (str, type(None))}
+
+
+def _read_trainer_state(path: Path) -> dict[str, Any]:
+    """trainer_state.json, its structure checked: each failure names the key and what was found."""
+    where = f"checkpoint {path}: trainer_state.json"
     try:
-        return torch.load(path / name, map_location=device, weights_only=True)
+        state = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{where} is not valid JSON: {exc}") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{where} holds a JSON {type(state).__name__}, expected an object")
+    for key, types in _TRAINER_STATE.items():
+        value = state.get(key)
+        if key not in state or not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            found = "missing" if key not in state else f"a {type(value).__name__} ({value!r:.40})"
+            raise CheckpointError(f"{where}: {key} is {found}, expected {' or '.join(t.__name__ for t in types)}")
+    if not all(isinstance(name, str) for name in state["plugins"]) or not isinstance(state["config"].get("train"), dict):
+        raise CheckpointError(f"{where}: plugins must be a list of names and config a composed run config")
+    return state
+
+
+def _load(path: Path, name: str, device: Any = "cpu", expect: tuple[str, ...] = ()) -> Any:
+    """``torch.load`` one file (weights_only); a dict with the ``expect`` keys, when given."""
+    try:
+        value = torch.load(path / name, map_location=device, weights_only=True)
     except Exception as exc:  # foreign or damaged files: say which one
         raise CheckpointError(f"checkpoint {path}: cannot load {name}: {exc}") from None
+    if expect and (not isinstance(value, dict) or not all(key in value for key in expect)):
+        found = f"a dict with keys {sorted(map(str, value))[:6]}" if isinstance(value, dict) else \
+            f"a {type(value).__name__}"
+        raise CheckpointError(f"checkpoint {path}: {name} holds {found}, expected a dict with {', '.join(expect)}")
+    return value
+
+
+@contextlib.contextmanager
+def _restoring(path: Path, name: str):
+    """A file's state that does not fit the run (other shapes, sizes, keys) is refused naming the file."""
+    try:
+        yield
+    except (KeyError, ValueError, TypeError, RuntimeError, AttributeError, IndexError) as exc:
+        raise CheckpointError(f"checkpoint {path}: {name} does not fit this run: {type(exc).__name__}: {exc}") from None
 
 
 def _flat(mapping: dict[str, Any]) -> dict[str, Any]:
@@ -738,7 +850,7 @@ def load(run: Run, path: str | Path) -> None:
     checkpoint are applied to the restored optimizer and scheduler and listed in one line.
     """
     path = Path(path)
-    trainer_state = json.loads((path / "trainer_state.json").read_text())
+    trainer_state = _read_trainer_state(path)
     strategy, train = run.strategy, run.config.train
     if trainer_state["world_size"] != strategy.world_size:
         raise CheckpointError(f"resume_from_checkpoint: {path} was made by {trainer_state['world_size']} "
@@ -746,22 +858,31 @@ def load(run: Run, path: str | Path) -> None:
     if trainer_state["steps_per_epoch"] != run.state.steps_per_epoch:
         raise CheckpointError(f"resume_from_checkpoint: {path} had {trainer_state['steps_per_epoch']} steps "
                               f"per epoch, this run has {run.state.steps_per_epoch}: the train data changed")
-    changes = config_changes(trainer_state.get("config", {}), run.config.to_mapping())
-    strategy.load_model_weights(run.model, path)
+    changes = config_changes(trainer_state["config"], run.config.to_mapping())
+    # every file is read and checked against the run before the weights load, so a bad one
+    # leaves the model as it was built
+    engine_state = _load(path, "engine_state.pt", expect=("strategy", "plugins"))
+    with _restoring(path, "engine_state.pt"):
+        strategy.load_state_dict(engine_state["strategy"])
+    rng_file = _rng_file(strategy.rank)
+    if (path / rng_file).is_file():
+        rng_state = _load(path, rng_file, expect=("python", "python_pos", "torch"))
+        with _restoring(path, rng_file):
+            _set_rng_state(rng_state)
     notes = {}
     if not train.reset_optimizer:
         fresh = [{k: v for k, v in group.items() if k != "params"} for group in run.optimizer.param_groups]
-        strategy.load_optimizer_state_dict(run.optimizer, _load(path, "optimizer.pt", strategy.device))
+        optimizer_state = _load(path, "optimizer.pt", strategy.device, expect=("state", "param_groups"))
+        with _restoring(path, "optimizer.pt"):
+            strategy.load_optimizer_state_dict(run.optimizer, optimizer_state)
         notes = _apply_to_optimizer(run.optimizer, fresh, changes)
     if train.reset_optimizer or any(key in SCHEDULE_KEYS for key, _, _ in changes):
         _advance(run.scheduler, trainer_state["global_step"])
     else:
-        run.scheduler.load_state_dict(_load(path, "scheduler.pt"))
-    engine_state = _load(path, "engine_state.pt")
-    strategy.load_state_dict(engine_state["strategy"])
-    rng_file = _rng_file(strategy.rank)
-    if (path / rng_file).is_file():
-        _set_rng_state(_load(path, rng_file))
+        scheduler_state = _load(path, "scheduler.pt")
+        with _restoring(path, "scheduler.pt"):
+            run.scheduler.load_state_dict(scheduler_state)
+    strategy.load_model_weights(run.model, path)
     for key in PROGRESS_FIELDS:  # max_steps and steps_per_epoch belong to the resumed run's config
         setattr(run.state, key, trainer_state.get(key, getattr(run.state, key)))
     saved = engine_state["plugins"]

@@ -3,7 +3,8 @@
 Exit status: 0 success; 2 bad input (a missing run file, a TOML syntax error, an unknown
 plugin, optimizer or key, a wrong type, an output_dir in use by another run, a damaged
 checkpoint): one line ``engine: error: ...``, no traceback; 3 the run diverged (nan/inf loss,
-gradient norm or weights; nothing non-finite was saved); 130 interrupted.
+gradient norm or weights; nothing non-finite was saved); 130 interrupted. ``--traceback`` (or
+``ENGINE_TRACEBACK=1``) also prints the traceback behind an error, e.g. of user code that raised.
 Only argparse and the config module load before a command runs, so ``engine --help`` is fast,
 and ``engine train`` refuses an output_dir that another run holds before the heavy imports.
 """
@@ -25,6 +26,8 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override a config value, e.g. --set train.learning_rate=1e-4 (repeatable)")
     parser.add_argument("--plugins", dest="plugin_edits", action="append", default=[], metavar="EDIT",
                         help="'+name,-name' enables/disables plugins; 'a,b' replaces the list")
+    parser.add_argument("--traceback", action="store_true", help=(
+        "on an error, also print its traceback (or set ENGINE_TRACEBACK=1)"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train a run (default: the embedded tiny run)")
     _add_run_arguments(train)
     evaluate = commands.add_parser("evaluate", help=(
-        "evaluate a run's model on its eval data and print the metrics as JSON"))
+        "evaluate a run's model on its eval data: metrics as JSON on stdout and in eval_results.json "
+        "of the evaluated folder; a job of its own, it writes nothing to the training run's logs"))
     _add_run_arguments(evaluate)
     evaluate.add_argument("--checkpoint", metavar="PATH", help=(
         "load these weights first: a checkpoint-<step> folder or a final model folder"))
@@ -78,22 +82,34 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
+    import logging
     from pathlib import Path
 
-    from .checkpoint import check_model_folder
+    from .checkpoint import check_model_folder, saved_progress
     from .errors import CheckpointError
-    from .util import dumps_json
+    from .loop import evaluate
+    from .util import dumps_json, write_json
 
     run = _make_run(args)
+    folder = None
     if args.checkpoint:
         folder = Path(args.checkpoint)
         if not folder.is_dir():
             raise CheckpointError(f"--checkpoint: {args.checkpoint} is not a folder")
         check_model_folder(folder, "--checkpoint")
     run.setup()
-    if args.checkpoint:
+    if folder is not None:
         run.strategy.load_model_weights(run.model, folder)
-    print(dumps_json(run.evaluate()))
+        run.state.global_step, run.state.epoch = saved_progress(folder)
+    # a job of its own: no log_metrics (the training run's metrics.jsonl and trackers are not
+    # this job's) and no on_evaluate (nothing trains here)
+    metrics = {"step": run.state.global_step, **evaluate(run, report=False)}
+    print(dumps_json(metrics))
+    if folder is not None:
+        try:
+            write_json(folder / "eval_results.json", metrics)
+        except OSError as exc:
+            logging.getLogger("engine").warning("could not write %s: %s", folder / "eval_results.json", exc.strerror)
     return 0
 
 
@@ -111,10 +127,12 @@ def _plugins(args: argparse.Namespace) -> int:
     rows = []
     for plugin in installed_plugins().values():
         try:
-            hooks, names = describe_installed(plugin)
+            hooks, names, problems = describe_installed(plugin)
             detail = f"hooks: {', '.join(hooks) or '-'}"
             if names:
                 detail += "; registers " + "; ".join(f"{kind} {', '.join(v)}" for kind, v in names.items())
+            if problems:
+                detail += "; PROBLEMS: " + "; ".join(problems)
         except EngineError as exc:
             detail = f"cannot load: {exc}"
         state = "enabled" if plugin.name in enabled else "installed"
@@ -129,12 +147,36 @@ def _plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def _join_plugin_edits(argv: list[str]) -> list[str]:
+    """``--plugins -name`` as ``--plugins=-name``: argparse would read ``-name`` as an option."""
+    joined: list[str] = []
+    words = iter(argv)
+    for word in words:
+        if word == "--plugins":
+            value = next(words, None)
+            if value is not None and value[:1] in "+-" and not value.startswith("--"):
+                joined.append(f"--plugins={value}")
+                continue
+            joined.append(word)
+            word = value
+            if word is None:
+                continue
+        joined.append(word)
+    return joined
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    import os
+
+    args = build_parser().parse_args(_join_plugin_edits(sys.argv[1:] if argv is None else list(argv)))
     command = {"train": _train, "evaluate": _evaluate, "plan": _plan, "plugins": _plugins}[args.command]
     try:
         return command(args)
     except EngineError as exc:
+        if getattr(args, "traceback", False) or os.environ.get("ENGINE_TRACEBACK") == "1":
+            import traceback
+
+            traceback.print_exception(exc, file=sys.stderr)
         print(f"engine: error: {exc}", file=sys.stderr)
         return exc.exit_status
     except KeyboardInterrupt:

@@ -356,8 +356,12 @@ def _note_skipped(run: Run, out: Any, in_a_row: int) -> None:
                                        f"(train.max_skipped_in_a_row = {limit})")
 
 
-def evaluate(run: Run, dataset: Any = None, prefix: str = "eval") -> dict[str, float]:
-    """Evaluate ``dataset`` (default: the run's eval data; a dict evaluates each, prefixed)."""
+def evaluate(run: Run, dataset: Any = None, prefix: str = "eval", report: bool = True) -> dict[str, float]:
+    """Evaluate ``dataset`` (default: the run's eval data; a dict evaluates each, prefixed).
+
+    ``report``: send the metrics to ``log_metrics`` and ``on_evaluate`` (``engine evaluate``, a
+    job of its own, does not).
+    """
     dataset = dataset if dataset is not None else run.eval_dataset
     if dataset is None:
         raise ConfigError("no evaluation data: set data.eval or data.eval_split, or pass eval_dataset")
@@ -368,7 +372,7 @@ def evaluate(run: Run, dataset: Any = None, prefix: str = "eval") -> dict[str, f
         part_metrics, _, _ = _evaluate_one(run, part, f"{prefix}_{name}" if name else prefix,
                                            want_predictions=False)
         metrics.update(part_metrics)
-    return _report(run, metrics)
+    return _report(run, metrics) if report else {**metrics, "epoch": round(run.state.epoch, 4)}
 
 
 def predict(run: Run, dataset: Any, prefix: str = "test") -> Any:

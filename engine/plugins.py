@@ -14,16 +14,21 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.metadata
+import importlib.util
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import pluggy
+from pluggy._hooks import varnames as pluggy_varnames
 
 from . import hookspecs
 from .catalogue import FIRST_PARTY, UNSUPPORTED_OPTIMIZERS, provider_of
 from .errors import ConfigError, PluginError
+from .util import describe_exception, is_missing
 
 ENTRY_POINT_GROUP = "engine.plugins"
+PROJECT = "engine"  # pluggy's project name: markers set the attribute "engine_impl"
 BUILTIN_PREFIX = "builtin."
 # "module" registers the module; "module:Class" registers a fresh instance per run.
 BUILTIN_PLUGINS = (
@@ -54,19 +59,31 @@ class InstalledPlugin:
     version: str
 
     def load(self) -> Any:
+        """Import the plugin; any failure is a PluginError naming it and the real cause."""
         module_name, _, attr = self.value.partition(":")
+        where = f"plugin {self.name!r} ({self.distribution})"
         try:
             target = importlib.import_module(module_name)
         except ImportError as exc:
-            missing = exc.name or str(exc)
-            raise PluginError(
-                f"plugin {self.name!r} ({self.distribution}) failed to import: "
-                f"missing module {missing!r} ({exc}); install it, e.g. pip install {missing.split('.')[0]}"
-            ) from exc
+            if is_missing(exc, module_name) and exc.name and not module_name.startswith(exc.name):
+                missing = exc.name
+                raise PluginError(f"{where} failed to import: missing module {missing!r} ({exc}); install it, "
+                                  f"e.g. pip install {missing.split('.')[0]}") from exc
+            raise PluginError(f"{where} failed to import: {describe_exception(exc)}") from exc
+        except Exception as exc:  # its own code raised while importing
+            raise PluginError(f"{where} failed to import: {describe_exception(exc)}") from exc
         for part in filter(None, attr.split(".")):
-            target = getattr(target, part)
-        # a class is instantiated: each run gets its own plugin state (counters, handles)
-        return target() if isinstance(target, type) else target
+            try:
+                target = getattr(target, part)
+            except AttributeError:
+                raise PluginError(f"{where}: its entry point {self.value!r} names {part!r}, which {module_name} "
+                                  "does not define") from None
+        if not isinstance(target, type):
+            return target
+        try:  # a class is instantiated: each run gets its own plugin state (counters, handles)
+            return target()
+        except Exception as exc:
+            raise PluginError(f"{where}: {target.__name__}() raised {describe_exception(exc)}") from exc
 
 
 def installed_plugins() -> dict[str, InstalledPlugin]:
@@ -86,15 +103,48 @@ def installed_plugins() -> dict[str, InstalledPlugin]:
 def unknown_plugin_message(name: str, installed: Iterable[str]) -> str:
     installed = sorted(installed)
     parts = [f"unknown plugin {name!r}"]
+    module = f"engine_{name.replace('-', '_')}"
     if name in FIRST_PARTY:
         info = FIRST_PARTY[name]
         parts.append(f"it comes from {info.distribution}: {info.install}")
+    elif importlib.util.find_spec(module) is not None:
+        parts.append(f"module {module!r} is importable but no entry point {name!r} is installed in group "
+                     f"{ENTRY_POINT_GROUP!r}: add [project.entry-points.\"{ENTRY_POINT_GROUP}\"] {name} = "
+                     f"\"{module}\" to its pyproject.toml and reinstall it (pip install -e .)")
     else:
         close = difflib.get_close_matches(name, [*installed, *FIRST_PARTY], n=1)
         if close:
             parts.append(f"did you mean {close[0]!r}?")
-    parts.append(f"installed plugins: {', '.join(installed) or '(none)'}")
+    parts.append(f"installed plugins: {', '.join(installed) or '(none)'} (plugins are the entry points of "
+                 f"group {ENTRY_POINT_GROUP!r} of installed distributions)")
     return "; ".join(parts)
+
+
+def plugin_problems(plugin: Any, name: str) -> list[str]:
+    """What would make pluggy ignore or refuse ``plugin``'s hook functions, one message each.
+
+    A function named like a hook but without ``@hookimpl`` (pluggy would skip it silently), and
+    a hookimpl taking an argument its hook does not have (with the hook's real arguments).
+    """
+    problems = []
+    markers = pluggy.PluginManager(PROJECT)  # reads markers the way registration will
+    for attribute in hookspecs.HOOK_NAMES:
+        raw = inspect.getattr_static(plugin, attribute, None)  # no property or descriptor runs
+        function = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
+        if not callable(function) or isinstance(function, type):
+            continue
+        if markers.parse_hookimpl_opts(plugin, attribute) is None:
+            problems.append(f"plugin {name!r} defines {attribute} without @engine.hookimpl, so it would never be "
+                            f"called; mark it with @hookimpl")
+            continue
+        takes = pluggy_varnames(getattr(hookspecs, attribute))[0]
+        extra = [arg for arg in pluggy_varnames(getattr(plugin, attribute))[0] if arg not in takes]
+        if extra:
+            close = difflib.get_close_matches(extra[0], takes, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            problems.append(f"plugin {name!r}: {attribute} takes {extra[0]!r}{hint}, which the hook does not "
+                            f"pass; {attribute} passes ({', '.join(takes)}), take any of them")
+    return problems
 
 
 @dataclass
@@ -143,24 +193,35 @@ class Registry:
         if self.kind == "optimizer" and name in UNSUPPORTED_OPTIMIZERS:
             return f"{self.config_key}: {name!r} is not supported on this engine: {UNSUPPORTED_OPTIMIZERS[name]}"
         parts = [f"{self.config_key}: unknown {self.kind} {name!r}"]
+        installed = installed_plugins()
         provider = provider_of(self.kind, name)
+        enabled = {entry.plugin for entry in self.entries.values()}
+        registering = [] if provider else plugins_registering(self.kind, name, skip=enabled)
         if provider is not None:
             info = FIRST_PARTY[provider]
-            if provider in installed_plugins():
+            if provider in installed:
                 parts.append(f"it comes from plugin {provider!r}, which is installed but not enabled: "
                              f"add {provider!r} to plugins (or --plugins +{provider})")
             else:
                 parts.append(f"it comes from {info.distribution}: {info.install} "
                              f"and add {provider!r} to plugins")
+        elif registering:
+            parts.append("it is registered by installed plugin " + ", ".join(
+                f"{p.name!r} ({p.distribution} {p.version})" for p in registering)
+                + f": add it to plugins (or --plugins +{registering[0].name})")
         else:
             close = difflib.get_close_matches(name, self.entries, n=1)
             if close:
                 parts.append(f"did you mean {close[0]!r}?")
         parts.append(f"available: {', '.join(self.names())}")
-        elsewhere = [f"{plugin} ({info.install})" for plugin, info in FIRST_PARTY.items()
-                     if info.provides.get(self.kind)]
-        if elsewhere and provider is None:
-            parts.append(f"more from {', '.join(elsewhere)}")
+        if provider is None and not registering:
+            families = [plugin for plugin, info in FIRST_PARTY.items() if info.provides.get(self.kind)]
+            idle = [plugin for plugin in families if plugin in installed and plugin not in enabled]
+            missing = [f"{plugin} ({FIRST_PARTY[plugin].install})" for plugin in families if plugin not in installed]
+            if idle:
+                parts.append(f"more in installed plugins {', '.join(idle)} (add one to plugins)")
+            if missing:
+                parts.append(f"more from {', '.join(missing)}")
         return "; ".join(parts)
 
 
@@ -176,7 +237,7 @@ class PluginManager:
         self.enabled = list(enabled)
         self.objects = dict(objects or {})
         self.installed = installed_plugins()
-        self.pm = pluggy.PluginManager("engine")
+        self.pm = pluggy.PluginManager(PROJECT)
         self.pm.add_hookspecs(hookspecs)
         for spec in BUILTIN_PLUGINS:
             module_name, _, class_name = spec.partition(":")
@@ -201,6 +262,9 @@ class PluginManager:
     # ------------------------------------------------------------------ registration
 
     def _register(self, plugin: Any, name: str) -> None:
+        problems = [] if name.startswith(BUILTIN_PREFIX) else plugin_problems(plugin, name)
+        if problems:
+            raise PluginError(problems[0])
         try:
             self.pm.register(plugin, name=name)
         except pluggy.PluginValidationError as exc:
@@ -265,19 +329,50 @@ class PluginManager:
         return schemas
 
 
-def describe_installed(plugin: InstalledPlugin) -> tuple[list[str], dict[str, list[str]]]:
-    """Import one plugin on its own: (hooks it implements, names it registers per kind)."""
+def describe_installed(plugin: InstalledPlugin) -> tuple[list[str], dict[str, list[str]], list[str]]:
+    """Import one plugin on its own: (hooks it implements, names it registers per kind, problems).
+
+    Problems (hook functions pluggy would ignore or refuse, unknown hooks) are reported, not
+    raised, so ``engine plugins`` can list every plugin; a plugin that cannot be imported raises
+    PluginError.
+    """
     target = plugin.load()
-    pm = pluggy.PluginManager("engine")
+    problems = plugin_problems(target, plugin.name)
+    pm = pluggy.PluginManager(PROJECT)
     pm.add_hookspecs(hookspecs)
-    pm.register(target, name=plugin.name)
+    try:
+        pm.register(target, name=plugin.name)
+    except pluggy.PluginValidationError as exc:
+        return [], {}, [*problems, str(exc).replace("\n", " ")]
     hooks = sorted(impl_hook for impl_hook, caller in vars(pm.hook).items()
                    if any(impl.plugin_name == plugin.name for impl in caller.get_hookimpls()))
+    for hook_name in hooks:
+        if hook_name not in hookspecs.HOOK_NAMES:
+            close = difflib.get_close_matches(hook_name, hookspecs.HOOK_NAMES, n=1)
+            problems.append(f"unknown hook {hook_name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
     names: dict[str, list[str]] = {}
     for kind, (hook_name, _) in REGISTRIES.items():
         registry = Registry(kind)
         for impl in getattr(pm.hook, hook_name).get_hookimpls():
-            PluginManager._call_impl(impl, {"register": registry.callback(plugin.name)})
+            try:
+                PluginManager._call_impl(impl, {"register": registry.callback(plugin.name)})
+            except Exception as exc:  # its register hook is broken: list it, do not crash the listing
+                problems.append(f"{hook_name} raised {describe_exception(exc)}")
         if registry.entries:
             names[kind] = registry.names()
-    return hooks, names
+    return [h for h in hooks if h in hookspecs.HOOK_NAMES], names, problems
+
+
+def plugins_registering(kind: str, name: str, skip: Iterable[str] = ()) -> list[InstalledPlugin]:
+    """Installed plugins (not in ``skip``) that register ``name`` in registry ``kind`` (imports them: error paths only)."""
+    found = []
+    for plugin in installed_plugins().values():
+        if plugin.name in skip:
+            continue
+        try:
+            _, names, _ = describe_installed(plugin)
+        except PluginError:
+            continue  # one that cannot load registers nothing; `engine plugins` says why
+        if name in names.get(kind, ()):
+            found.append(plugin)
+    return found

@@ -32,9 +32,9 @@ def load_callable(spec: str, key: str) -> Callable[..., Any]:
     except ModuleNotFoundError as exc:
         if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
             raise ConfigError(f"{key}: no module named {exc.name!r} (from {spec!r}; is it on PYTHONPATH?)") from None
-        raise UserCodeError(f"{key}: importing {module_name!r} failed: {_describe(exc)}") from exc
+        raise UserCodeError(f"{key}: importing {module_name!r} failed: {describe_exception(exc)}") from exc
     except Exception as exc:  # the module's own code failed: say where
-        raise UserCodeError(f"{key}: importing {module_name!r} failed: {_describe(exc)}") from exc
+        raise UserCodeError(f"{key}: importing {module_name!r} failed: {describe_exception(exc)}") from exc
     target: Any = module
     for part in attr.split("."):
         try:
@@ -46,7 +46,8 @@ def load_callable(spec: str, key: str) -> Callable[..., Any]:
     return target
 
 
-def _describe(exc: BaseException) -> str:
+def describe_exception(exc: BaseException) -> str:
+    """``Type: message`` of an exception (a syntax error with its file and line)."""
     if isinstance(exc, SyntaxError):
         return f"SyntaxError: {exc.msg} ({exc.filename}, line {exc.lineno})"
     return f"{type(exc).__name__}: {exc}"
@@ -70,7 +71,7 @@ def call_user(key: str, name: str, function: Callable[..., Any], *args: Any) -> 
     except EngineError:
         raise
     except Exception as exc:
-        raise UserCodeError(f"{key}: {name} raised {_describe(exc)}") from exc
+        raise UserCodeError(f"{key}: {name} raised {describe_exception(exc)}") from exc
 
 
 def require(module: str, package: str | None = None, feature: str = "", extra: str | None = None) -> Any:
@@ -95,7 +96,7 @@ def require(module: str, package: str | None = None, feature: str = "", extra: s
                 f"package {package or module!r} is needed{what} (missing module {exc.name or module!r}): {install}"
             ) from exc
         raise MissingDependencyError(
-            f"package {package or module!r} is installed but fails to import{what}: {_describe(exc)}; "
+            f"package {package or module!r} is installed but fails to import{what}: {describe_exception(exc)}; "
             f"reinstall it (pip install --force-reinstall {package or module})") from exc
 
 

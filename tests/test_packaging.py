@@ -38,6 +38,7 @@ def test_plugin_distribution_matches_the_catalogue(folder):
     assert (folder / "README.md").is_file() and list((folder / "tests").glob("test_*.py"))
     assert name in FIRST_PARTY and FIRST_PARTY[name].distribution == project["name"]
     installed = installed_plugins()[name]  # ./dev.sh setup installs every plugin folder
-    _, registered = describe_installed(installed)
+    _, registered, problems = describe_installed(installed)
+    assert problems == []
     assert {kind: tuple(sorted(v)) for kind, v in registered.items()} == \
         {kind: tuple(sorted(v)) for kind, v in FIRST_PARTY[name].provides.items()}
