@@ -10,18 +10,28 @@ VENV=${VENV:-.venv}
 PY="$VENV/bin/python"
 PLUGINS=(plugins/*/)
 
+install() {
+    "$PY" -m pip install --upgrade pip &&
+    # the CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build
+    "$PY" -m pip install torch==2.13.0 &&
+    "$PY" -m pip install -c <(echo torch==2.13.0) "$@"
+}
+
 setup() {
     local stamp="$VENV/.engine-installed"
     if [ -f "$stamp" ] && [ -z "$(find pyproject.toml contrib/*/pyproject.toml plugins/*/pyproject.toml -newer "$stamp")" ]; then
         return
     fi
     python3 -m venv "$VENV"
-    "$PY" -m pip install -q --upgrade pip
-    # the CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build
-    "$PY" -m pip install -q torch==2.13.0
     local editables=(-e '.[test]' -e contrib/lion)
     for plugin in "${PLUGINS[@]}"; do editables+=(-e "$plugin"); done
-    "$PY" -m pip install -q -c <(echo torch==2.13.0) "${editables[@]}"
+    local log="$VENV/setup.log"  # pip's and setuptools' chatter: shown only when the install fails
+    echo "engine: installing into $VENV (log: $log)" >&2
+    if ! install "${editables[@]}" > "$log" 2>&1; then
+        tail -n 40 "$log" >&2
+        echo "engine: setup failed; the whole log is $log" >&2
+        exit 1
+    fi
     touch "$stamp"
 }
 

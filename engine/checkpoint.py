@@ -730,11 +730,11 @@ def validate(run: Run, path: Path) -> None:
             f"resume_from_checkpoint: {path} was trained with train.optim = {saved_optim!r}, this run asks for "
             f"{train.optim!r}, whose state cannot be restored from it; resume with train.optim = {saved_optim!r}, "
             f"or keep the weights and start {train.optim!r} fresh with train.reset_optimizer = true")
-    for weights_file in _weight_files(path):
-        try:
+    try:
+        for weights_file in _weight_files(path):
             _check_safetensors(weights_file)
-        except CheckpointError as exc:
-            raise CheckpointError(f"checkpoint {exc}") from None
+    except CheckpointError as exc:
+        raise CheckpointError(f"checkpoint {exc}") from None
     for name in [*REQUIRED[1:], *(p.name for p in path.glob("rng_state*.pt"))]:
         try:  # torch.save files are zip archives: a truncated one has no central directory
             zipfile.ZipFile(path / name).close()
@@ -872,7 +872,8 @@ def load(run: Run, path: str | Path) -> None:
     notes = {}
     if not train.reset_optimizer:
         fresh = [{k: v for k, v in group.items() if k != "params"} for group in run.optimizer.param_groups]
-        optimizer_state = _load(path, "optimizer.pt", strategy.device, expect=("state", "param_groups"))
+        expected = tuple(strategy.optimizer_state_dict(run.optimizer))  # its own shape (layerwise ones differ)
+        optimizer_state = _load(path, "optimizer.pt", strategy.device, expect=expected)
         with _restoring(path, "optimizer.pt"):
             strategy.load_optimizer_state_dict(run.optimizer, optimizer_state)
         notes = _apply_to_optimizer(run.optimizer, fresh, changes)

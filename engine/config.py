@@ -49,7 +49,7 @@ def option(default: Any = dataclasses.MISSING, *, help: str, default_factory: An
     """
     bounds = {"min": min, "max": max, "below": below, "nonempty": nonempty}
     return field(default=default, default_factory=default_factory,
-                 metadata={"help": help, **{k: v for k, v in bounds.items() if v not in (None, False)}})
+                 metadata={"help": help, **{k: v for k, v in bounds.items() if v is not None and v is not False}})
 
 
 @dataclass

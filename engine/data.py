@@ -29,7 +29,7 @@ from torch.utils.data import Dataset
 from .config import DataConfig
 from .errors import ConfigError
 from .loss import IGNORE_INDEX
-from .util import is_callable_spec, load_callable, require
+from .util import call_user, is_callable_spec, load_callable, require
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -369,7 +369,7 @@ class DataCollator:
 
 
 def _call_source(spec: str, key: str, tokenizer: PreTrainedTokenizerBase) -> Dataset:
-    dataset = load_callable(spec, key)(tokenizer)
+    dataset = call_user(key, spec, load_callable(spec, key), tokenizer)
     if not isinstance(dataset, Dataset):  # IterableDataset is a Dataset too
         raise ConfigError(f"{key}: {spec!r} returned a {type(dataset).__name__}, "
                           "expected a torch.utils.data.Dataset or IterableDataset")

@@ -355,6 +355,12 @@ def log_metrics(run: Run, metrics: dict[str, float], step: int) -> None:
     step_time, epoch), after each evaluation (eval_* metrics) and at the end of training
     (train_runtime, ...). On the main process only. **Combine**: broadcast. The builtins write
     the console line and ``output_dir/metrics.jsonl``.
+
+    Outside training, ``Run.evaluate()`` and ``Run.predict()`` called from Python send their
+    metrics here too, at the run's current step (as Trainer's ``evaluate()`` logs them), so a
+    tracker must append, never start its file anew here. The ``engine evaluate`` command does
+    not call it: a job of its own writes ``eval_results.json`` and nothing into the training
+    run's logs or trackers.
     """
 
 

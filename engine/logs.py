@@ -9,6 +9,9 @@ console plugin get them through ``log_metrics`` on the main process.
 * ``log_level_replica``: the level of every other process (default: warning).
 * ``log_on_each_node``: which process counts as main: each node's local rank 0 (true,
   default) or only global rank 0 (false).
+
+Known messages that libraries print while being imported (:data:`KNOWN_NOISE`) are filtered at
+their loggers, so the console shows the run; ``log_level = "debug"`` shows them again.
 """
 
 from __future__ import annotations
@@ -35,6 +38,36 @@ class _StderrHandler(logging.StreamHandler):
     @stream.setter
     def stream(self, value):
         pass
+
+
+# Messages libraries log while the engine imports them that say nothing about the run:
+# logger -> how their message formats start. Shown again at log_level = "debug".
+KNOWN_NOISE = {
+    # torchao (which transformers imports when it is installed) on a build without its CUDA kernels
+    "torchao": ("Failed to load ",),
+    "torch.utils._pytree": ("%s is an Enum subclass and is now natively supported",),
+    # bitsandbytes' optional `kernels` package for a faster CPU 4-bit matmul
+    "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward from kernels-community",),
+}
+
+
+class _KnownNoise(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...]):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if logging.getLogger("engine").isEnabledFor(logging.DEBUG):
+            return True
+        return not (isinstance(record.msg, str) and record.msg.startswith(self.prefixes))
+
+
+def quiet_known_noise() -> None:
+    """Filter :data:`KNOWN_NOISE` at its loggers (only those messages; idempotent)."""
+    for name, prefixes in KNOWN_NOISE.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _KnownNoise) for f in logger.filters):
+            logger.addFilter(_KnownNoise(prefixes))
 
 
 def process_log_level(train: TrainConfig, rank: int, local_rank: int) -> str:

@@ -456,7 +456,8 @@ def _evaluate_one(run: Run, dataset: Any, prefix: str, want_predictions: bool) -
     all_labels = _concat_padded(label_ids) if label_ids else None
     if use_metrics:
         function = run.compute_metrics
-        name = getattr(function, "__qualname__", type(function).__name__)
+        name = train_cfg.compute_metrics if run.compute_metrics_key == "train.compute_metrics" else \
+            getattr(function, "__qualname__", type(function).__name__)
         computed = call_user(run.compute_metrics_key, name, function, EvalPrediction(all_predictions, all_labels))
         if not isinstance(computed, dict) or not all(isinstance(k, str) for k in computed):
             raise ConfigError(f"{run.compute_metrics_key}: {name} returned {type(computed).__name__}, expected a dict "

@@ -73,7 +73,11 @@ def model_config(train: TrainConfig, tokenizer: Any = None) -> Any:
     path = Path(spec)
     if path.is_dir():
         check_model_folder(path, "train.model")
-        return transformers.AutoConfig.from_pretrained(path)
+        try:
+            return transformers.AutoConfig.from_pretrained(path)
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # garbage, or a model_type it does not know
+            raise ConfigError(f"train.model: {path / 'config.json'} is not a config transformers can read: "
+                              f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from None
     if spec.endswith(".json"):
         return _config_from_values(_read_config_file(path), train, tokenizer, source=spec)
     if spec in BUILTIN_CONFIGS:

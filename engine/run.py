@@ -9,7 +9,6 @@ hooks; :meth:`Run.train` / :meth:`Run.evaluate` run the loop in ``engine/loop.py
 from __future__ import annotations
 
 import math
-import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,8 +18,9 @@ import torch
 
 from . import config as cfg
 from .errors import ConfigError
-from .logs import setup_logging
+from .logs import quiet_known_noise, setup_logging
 from .plugins import PluginManager
+from .rundir import env_rank
 
 
 class StepOutput(NamedTuple):
@@ -140,6 +140,7 @@ class Run:
         overrides: list[str] = (),
         plugin_edits: list[str] = (),
     ):
+        quiet_known_noise()  # before the plugins (and the libraries they import) load
         if isinstance(config, (str, Path)):
             raw = cfg.read_run_file(config)
         else:
@@ -155,7 +156,7 @@ class Run:
         _resolve_defaults(self.config.train)
         _check_values(self.config.train)
         # levels for what configure logs; setup() sets them again from the strategy's ranks
-        setup_logging(self.config.train, int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")))
+        setup_logging(self.config.train, env_rank("RANK"), env_rank("LOCAL_RANK"))
 
         self.state = TrainState()
         self.control = Control()

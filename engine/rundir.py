@@ -46,9 +46,19 @@ def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
+def env_rank(name: str = "RANK") -> int:
+    """A rank from the launcher's environment (torchrun, deepspeed); 0 when not launched by one."""
+    value = os.environ.get(name, "0")
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={value!r} is not an integer; the launcher sets it "
+                          f"(torchrun, deepspeed): unset it for a single process") from None
+
+
 def is_main_process() -> bool:
     """Rank 0 of the launcher's environment (the strategy is not set up yet when this is asked)."""
-    return int(os.environ.get("RANK", "0")) == 0
+    return env_rank() == 0
 
 
 # ---------------------------------------------------------------------------- the lock
@@ -64,6 +74,8 @@ class OutputDirLock:
         self._handle: Any = None
 
     def acquire(self) -> None:
+        if self.output_dir.exists() and not self.output_dir.is_dir():
+            raise ConfigError(f"train.output_dir: {self.output_dir} is a file, not a folder")
         while True:
             if not self.output_dir.is_dir():
                 try:

@@ -237,3 +237,102 @@ def test_every_trainer_optimizer_name_is_provided_or_explained():
     for info in FIRST_PARTY.values():
         known |= set(info.provides.get("optimizer", ()))
     assert {name.value for name in OptimizerNames} - known == set()
+
+
+# ---------------------------------------------------------------------------- a plugin author's mistakes
+
+
+def test_a_forgotten_entry_point_says_how_to_add_it(site_dir, entry_point_plugin, monkeypatch):
+    entry_point_plugin("other", OPTIMIZER_PLUGIN)  # makes the site folder importable
+    (site_dir / "engine_gradclip.py").write_text("from engine import hookimpl\n")
+    with pytest.raises(PluginError) as err:
+        PluginManager(["gradclip"])
+    assert str(err.value).startswith(
+        "unknown plugin 'gradclip'; module 'engine_gradclip' is importable but no entry point 'gradclip' is "
+        "installed in group 'engine.plugins': add [project.entry-points.\"engine.plugins\"] gradclip = "
+        "\"engine_gradclip\" to its pyproject.toml and reinstall it (pip install -e .); installed plugins: ")
+
+
+def test_a_misspelt_hook_argument_names_the_real_ones():
+    class Misspelt:
+        @hookimpl
+        def compute_loss(self, run, model, batch, num_items):
+            pass
+
+    with pytest.raises(PluginError) as err:
+        Run({}, plugins=[Misspelt()])
+    assert str(err.value) == ("plugin 'Misspelt': compute_loss takes 'num_items' (did you mean "
+                              "'num_items_in_batch'?), which the hook does not pass; compute_loss passes "
+                              "(run, model, batch, num_items_in_batch), take any of them")
+
+
+def test_a_hook_function_without_the_marker_is_refused(entry_point_plugin):
+    entry_point_plugin("unmarked", "def on_step_end(run):\n    print('never called')\n")
+    with pytest.raises(PluginError, match="^plugin 'unmarked' defines on_step_end without @engine.hookimpl, so it "
+                                          "would never be called; mark it with @hookimpl$"):
+        PluginManager(["unmarked"])
+
+
+def test_a_plugin_whose_import_raises_is_one_error(entry_point_plugin):
+    entry_point_plugin("crashing", "raise RuntimeError('needs MY_API_KEY')\n")
+    with pytest.raises(PluginError, match=r"^plugin 'crashing' \(engine-test-crashing\) failed to import: "
+                                          r"RuntimeError: needs MY_API_KEY$"):
+        PluginManager(["crashing"])
+
+
+def test_an_installed_but_broken_library_is_not_reported_as_missing(entry_point_plugin, site_dir):
+    (site_dir / "broken_native.py").write_text("raise ImportError('libnative.so: cannot open shared object file')\n")
+    entry_point_plugin("native", "import broken_native\n")
+    with pytest.raises(PluginError) as err:
+        PluginManager(["native"])
+    assert str(err.value) == ("plugin 'native' (engine-test-native) failed to import: ImportError: libnative.so: "
+                              "cannot open shared object file")
+    from engine.util import require
+
+    with pytest.raises(Exception) as err:
+        require("broken_native", "native-lib")
+    assert str(err.value).startswith("package 'native-lib' is installed but fails to import: ImportError: "
+                                     "libnative.so: cannot open shared object file; reinstall it")
+    with pytest.raises(Exception, match="package 'not-here' is needed .*: pip install not-here"):
+        require("not_here_xyz", "not-here")
+
+
+def test_engine_plugins_lists_what_cannot_load_and_flags_mistakes(entry_point_plugin, capfd):
+    from engine.cli import main
+
+    entry_point_plugin("crashing", "raise RuntimeError('needs MY_API_KEY')\n")
+    entry_point_plugin("typo", "from engine import hookimpl\n\n@hookimpl\ndef on_step_edn(run):\n    pass\n")
+    entry_point_plugin("unmarked", "def on_step_end(run):\n    pass\n")
+    assert main(["plugins"]) == 0
+    out = capfd.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
+    assert "cannot load: plugin 'crashing' (engine-test-crashing) failed to import: RuntimeError: needs MY_API_KEY" \
+        in rows["crashing"]
+    assert "PROBLEMS: unknown hook 'on_step_edn' (did you mean 'on_step_end'?)" in rows["typo"]
+    assert "PROBLEMS: plugin 'unmarked' defines on_step_end without @engine.hookimpl" in rows["unmarked"]
+    assert "enabled" not in rows["lion"] and "registers optimizer lion" in rows["lion"]
+
+
+def test_an_unknown_optimizer_names_the_installed_plugin_that_registers_it(entry_point_plugin):
+    entry_point_plugin("thirdparty", OPTIMIZER_PLUGIN)
+    with pytest.raises(ConfigError) as err:
+        Run({"train": {"optim": "plain_sgd"}})
+    assert str(err.value).startswith(
+        "train.optim: unknown optimizer 'plain_sgd'; it is registered by installed plugin 'thirdparty' "
+        "(engine-test-thirdparty 0.1): add it to plugins (or --plugins +thirdparty); available: ")
+
+
+def test_checkpoint_state_that_cannot_be_loaded_back_is_refused_at_save(tmp_path):
+    from pathlib import Path
+
+    class PathState:
+        name = "paths"
+
+        @hookimpl
+        def checkpoint_state(self, run):
+            return {"seen": [1, 2], "where": Path("/tmp")}
+
+    with pytest.raises(PluginError, match=r"^plugin 'paths': checkpoint_state\(\)\['where'\] is a PosixPath; "
+                                          r"checkpoints are loaded with weights_only=True"):
+        run_steps(1, objects=[PathState()], output_dir=tmp_path, train={"save_strategy": "steps", "save_steps": 1})
+    assert not list(tmp_path.glob("checkpoint-*"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 
+import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from engine import hookimpl
@@ -50,13 +51,19 @@ def _polynomial(step: int, *, warmup: int, total: int, lr_init: float, lr_end: f
 
 
 def _schedule(fn, **fixed):
-    """A scheduler factory: ``factory(optimizer, num_warmup_steps, num_training_steps, **kwargs)``."""
+    """A scheduler factory: ``factory(optimizer, num_warmup_steps, num_training_steps, **kwargs)``.
+
+    The schedule is evaluated at the start, the end of warmup and the end, so arguments of the
+    wrong type are refused here, naming ``train.lr_scheduler_kwargs``, not at some later step.
+    """
 
     def factory(optimizer, num_warmup_steps, num_training_steps, **kwargs):
         try:
             lam = fn(optimizer, num_warmup_steps, num_training_steps, **fixed, **kwargs)
-        except TypeError as exc:
-            raise ConfigError(f"train.lr_scheduler_kwargs: {exc}") from None
+            for step in (0, num_warmup_steps, num_training_steps):
+                float(lam(step))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"train.lr_scheduler_kwargs: {kwargs} do not fit {fn.__name__}: {exc}") from None
         return LambdaLR(optimizer, lam)
 
     return factory
@@ -94,7 +101,12 @@ def register_schedulers(register):
 
 @hookimpl
 def configure(run):
-    run.registries["scheduler"].get(run.config.train.lr_scheduler_type)
+    train = run.config.train
+    entry = run.registries["scheduler"].get(train.lr_scheduler_type)
+    if entry.plugin == "builtin.schedulers":  # its arguments checked now, on a one-parameter optimizer
+        probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=train.learning_rate)
+        steps = max(train.max_steps, 1)
+        entry.factory(probe, min(train.warmup_steps, steps), steps, **train.lr_scheduler_kwargs)
 
 
 @hookimpl(trylast=True)
