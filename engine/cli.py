@@ -5,6 +5,8 @@ plugin, optimizer or key, a wrong type, an output_dir in use by another run, a d
 checkpoint): one line ``engine: error: ...``, no traceback; 3 the run diverged (nan/inf loss,
 gradient norm or weights; nothing non-finite was saved); 130 interrupted. ``--traceback`` (or
 ``ENGINE_TRACEBACK=1``) also prints the traceback behind an error, e.g. of user code that raised.
+An exception raised in an installed plugin's code is one line naming the plugin and the
+function; any other exception is a bug of the engine and keeps its traceback.
 Only argparse and the config module load before a command runs, so ``engine --help`` is fast,
 and ``engine train`` refuses an output_dir that another run holds before the heavy imports.
 """
@@ -165,20 +167,50 @@ def _join_plugin_edits(argv: list[str]) -> list[str]:
     return joined
 
 
+def _raised_in_plugin(exc: BaseException) -> str | None:
+    """``plugin 'x' raised ...`` when the innermost frame of an installed plugin's package raised ``exc``."""
+    from pathlib import Path
+
+    from .plugins import installed_plugins
+    from .util import describe_exception
+
+    packages = {plugin.value.partition(":")[0].split(".")[0]: plugin.name
+                for plugin in installed_plugins().values() if not plugin.value.startswith("engine.")}
+    frame, culprit = exc.__traceback__, None
+    while frame is not None:
+        package = str(frame.tb_frame.f_globals.get("__name__", "")).split(".")[0]
+        if package in packages:
+            culprit = (packages[package], frame)
+        frame = frame.tb_next
+    if culprit is None:
+        return None
+    name, frame = culprit
+    code = frame.tb_frame.f_code
+    return (f"plugin {name!r} raised {describe_exception(exc)} in {code.co_name} ({Path(code.co_filename).name}, "
+            f"line {frame.tb_lineno})")
+
+
 def main(argv: list[str] | None = None) -> int:
     import os
 
     args = build_parser().parse_args(_join_plugin_edits(sys.argv[1:] if argv is None else list(argv)))
     command = {"train": _train, "evaluate": _evaluate, "plan": _plan, "plugins": _plugins}[args.command]
+    show_traceback = getattr(args, "traceback", False) or os.environ.get("ENGINE_TRACEBACK") == "1"
     try:
         return command(args)
     except EngineError as exc:
-        if getattr(args, "traceback", False) or os.environ.get("ENGINE_TRACEBACK") == "1":
+        if show_traceback:
             import traceback
 
             traceback.print_exception(exc, file=sys.stderr)
         print(f"engine: error: {exc}", file=sys.stderr)
         return exc.exit_status
+    except Exception as exc:  # a plugin's code that raised is the plugin's mistake: one line; else a bug here
+        message = None if show_traceback else _raised_in_plugin(exc)
+        if message is None:
+            raise
+        print(f"engine: error: {message}; --traceback shows where", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("engine: interrupted", file=sys.stderr)
         return 130

@@ -336,3 +336,26 @@ def test_checkpoint_state_that_cannot_be_loaded_back_is_refused_at_save(tmp_path
                                           r"checkpoints are loaded with weights_only=True"):
         run_steps(1, objects=[PathState()], output_dir=tmp_path, train={"save_strategy": "steps", "save_steps": 1})
     assert not list(tmp_path.glob("checkpoint-*"))
+
+
+def test_a_plugin_hook_that_raises_is_one_line_naming_the_plugin(entry_point_plugin, tmp_path, capfd):
+    from engine.cli import main
+
+    entry_point_plugin("flaky", """
+        from engine import hookimpl
+
+        @hookimpl
+        def on_step_end(run):
+            if run.state.global_step == 2:
+                raise ZeroDivisionError("the metric server said 0")
+    """)
+    (tmp_path / "corpus.txt").write_text("\n".join(f"line {i} of a corpus for a flaky plugin" for i in range(3000)))
+    argv = ["train", "--plugins", "+flaky", "--set", f"train.output_dir={tmp_path}/out", "--set", "train.max_steps=3",
+            "--set", f"data.train={tmp_path}/corpus.txt", "--set", 'train.eval_strategy="no"', "--set",
+            "train.load_best_model_at_end=false", "--set", "data.eval_split=0.0"]
+    assert main(argv) == 2
+    err = [line for line in capfd.readouterr().err.splitlines() if line.startswith("engine: error")]
+    assert err == ["engine: error: plugin 'flaky' raised ZeroDivisionError: the metric server said 0 in on_step_end "
+                   "(engine_test_flaky.py, line 7); --traceback shows where"]
+    with pytest.raises(ZeroDivisionError):  # with --traceback, the exception itself
+        main([*argv, "--traceback", "--set", "train.overwrite_output_dir=true"])
