@@ -628,7 +628,7 @@ def save(run: Run) -> Path:
     strategy.barrier()
     if strategy.is_main_process:
         logger.debug("saved %s", final)
-        run.hook.on_checkpoint_saved(run=run, path=str(final))
+        run.isolated_hooks.call("on_checkpoint_saved", path=str(final))
     return final
 
 

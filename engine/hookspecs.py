@@ -20,6 +20,11 @@ How results combine (pluggy semantics):
   the run's ``plugins`` list (``tryfirst`` / ``trylast`` move an implementation).
 * **per plugin**: the engine calls each plugin's implementation separately and files the
   result under that plugin's name (its options section, its checkpoint state).
+* **isolated** (the logging hooks and ``on_checkpoint_saved``): called plugin by plugin; an
+  implementation that raises is reported once by name, that plugin is switched off for these
+  hooks for the rest of the run, and training goes on (the end of the run lists it). A plugin
+  whose options have ``strict: bool = option(False, ...)`` set to true makes such a failure end
+  the run. Wrappers are refused on these hooks.
 * **wrappers**: any hook also accepts ``@hookimpl(wrapper=True)`` implementations, generator
   functions that run around the others and may replace the result::
 
@@ -50,12 +55,19 @@ hookspec = pluggy.HookspecMarker("engine")
 
 # Hooks the engine calls once per plugin, filing each result under the plugin's name.
 PER_PLUGIN_HOOKS = ("plugin_options", "checkpoint_state", "load_checkpoint_state")
+# Hooks the engine calls per plugin in isolation: a plugin whose implementation raises is
+# reported once by name and switched off for these hooks for the rest of the run (training goes
+# on; the end of the run lists it), unless its options section sets ``strict = true``. Trackers
+# and uploads must never end a run.
+ISOLATED_HOOKS = ("log_hyperparams", "log_metrics", "log_finish", "on_checkpoint_saved")
 
 
 def combine_kind(name: str) -> str:
-    """How the results of hook ``name`` combine: per plugin, firstresult or broadcast."""
+    """How the results of hook ``name`` combine: per plugin, isolated, firstresult or broadcast."""
     if name in PER_PLUGIN_HOOKS:
         return "per plugin"
+    if name in ISOLATED_HOOKS:
+        return "isolated"
     return "firstresult" if globals()[name].engine_spec.get("firstresult") else "broadcast"
 
 # ---------------------------------------------------------------------------- composition
@@ -343,7 +355,7 @@ def log_hyperparams(run: Run, params: dict[str, Any]) -> None:
     """Record the run's configuration (``params`` is the composed config as plain data).
 
     **When**: once before :func:`on_train_start`, on the main process only.
-    **Combine**: broadcast.
+    **Combine**: isolated.
     """
 
 
@@ -353,7 +365,7 @@ def log_metrics(run: Run, metrics: dict[str, float], step: int) -> None:
 
     **When**: every ``logging_steps`` steps (loss, learning_rate, grad_norm, tokens_per_second,
     step_time, epoch), after each evaluation (eval_* metrics) and at the end of training
-    (train_runtime, ...). On the main process only. **Combine**: broadcast. The builtins write
+    (train_runtime, ...). On the main process only. **Combine**: isolated. The builtins write
     the console line and ``output_dir/metrics.jsonl``.
 
     Outside training, ``Run.evaluate()`` and ``Run.predict()`` called from Python send their
@@ -369,7 +381,8 @@ def log_finish(run: Run, status: str) -> None:
     """The run is over: flush and close trackers. ``status`` is "success" or "failed".
 
     **When**: once at the very end, also when training raised (a diverged run, a failed save,
-    an interrupt), on the main process only. **Combine**: broadcast.
+    an interrupt), on the main process only; also for a plugin switched off after a failure (so
+    it can close what it opened; a second failure is only logged). **Combine**: isolated.
     """
 
 
@@ -402,7 +415,8 @@ def on_checkpoint_saved(run: Run, path: str) -> None:
     """A complete checkpoint now exists at ``path``.
 
     **When**: after the checkpoint folder was written and renamed into place, on the main
-    process. **Combine**: broadcast. Hub uploads and rotation hang off this hook.
+    process. **Combine**: isolated: a failed upload never ends the run. Hub uploads hang off
+    this hook.
     """
 
 

@@ -100,7 +100,7 @@ def train(run: Run) -> dict[str, float]:
         status = "interrupted"
         raise
     finally:
-        claim.finish(status)
+        claim.finish(status, run.isolated_hooks.failed)
 
 
 def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
@@ -150,7 +150,7 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
     start_time = time.perf_counter()
     start_step = state.global_step
     if main:
-        hook.log_hyperparams(run=run, params=run.config.to_mapping())
+        run.isolated_hooks.call("log_hyperparams", params=run.config.to_mapping())
     try:
         hook.on_train_start(run=run)
         hook.on_train_mode(run=run)
@@ -195,7 +195,7 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
                 if step % log_every == 0 or (train_cfg.logging_first_step and step == 1) or last:
                     metrics = logged.flush(lr)
                     if main:
-                        hook.log_metrics(run=run, metrics=metrics, step=step)
+                        run.isolated_hooks.call("log_metrics", metrics=metrics, step=step)
                     logged.stop_if_diverged()
                 if (eval_every and step % eval_every == 0) or control.should_evaluate:
                     control.should_evaluate = False
@@ -217,7 +217,7 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
         if logged.count:  # steps since the last log, when a plugin stopped the run
             metrics = logged.flush(lr)
             if main:
-                hook.log_metrics(run=run, metrics=metrics, step=state.global_step)
+                run.isolated_hooks.call("log_metrics", metrics=metrics, step=state.global_step)
             logged.stop_if_diverged()
         runtime = time.perf_counter() - start_time
         steps = state.global_step - start_step
@@ -227,7 +227,7 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
             "train_loss": logged.mean_loss,
         }
         if main:
-            hook.log_metrics(run=run, metrics=summary, step=state.global_step)
+            run.isolated_hooks.call("log_metrics", metrics=summary, step=state.global_step)
         hook.on_eval_mode(run=run)
         if train_cfg.load_best_model_at_end:
             checkpoint.load_best_model(run)
@@ -241,7 +241,8 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
             undo()
         run.undo_patches = []
         if main:
-            hook.log_finish(run=run, status=status)
+            run.isolated_hooks.call("log_finish", status=status)
+            run.isolated_hooks.report()
         strategy.teardown()
 
 
@@ -389,7 +390,7 @@ def _report(run: Run, metrics: dict[str, float], is_evaluation: bool = True) -> 
     metrics["epoch"] = round(state.epoch, 4)
     state.log_history.append({"step": state.global_step, **metrics})
     if run.strategy.is_main_process:
-        run.hook.log_metrics(run=run, metrics=metrics, step=state.global_step)
+        run.isolated_hooks.call("log_metrics", metrics=metrics, step=state.global_step)
     if is_evaluation:  # predictions are not evaluations: early stopping must not count them
         run.hook.on_evaluate(run=run, metrics=metrics)
     return metrics

@@ -16,6 +16,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import inspect
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -26,6 +27,8 @@ from . import hookspecs
 from .catalogue import FIRST_PARTY, UNSUPPORTED_OPTIMIZERS, provider_of
 from .errors import ConfigError, PluginError
 from .util import describe_exception, is_missing
+
+logger = logging.getLogger("engine")
 
 ENTRY_POINT_GROUP = "engine.plugins"
 PROJECT = "engine"  # pluggy's project name: markers set the attribute "engine_impl"
@@ -120,6 +123,45 @@ def unknown_plugin_message(name: str, installed: Iterable[str]) -> str:
     return "; ".join(parts)
 
 
+class IsolatedHooks:
+    """Calls the :data:`~engine.hookspecs.ISOLATED_HOOKS` plugin by plugin (see the hookspecs).
+
+    ``failed`` maps each plugin switched off after raising to what happened and at which step.
+    """
+
+    def __init__(self, run: Any):
+        self.run = run
+        self.failed: dict[str, str] = {}
+
+    def call(self, hook_name: str, **kwargs: Any) -> None:
+        run = self.run
+        kwargs["run"] = run
+        for impl in reversed(getattr(run.hook, hook_name).get_hookimpls()):
+            plugin = impl.plugin_name
+            switched_off = plugin in self.failed
+            if switched_off and hook_name != "log_finish":
+                continue
+            try:
+                impl.function(*[kwargs[arg] for arg in impl.argnames])
+            except Exception as exc:
+                if switched_off:  # closing after an earlier failure: say so, nothing more
+                    logger.warning("plugin %r failed again in %s: %s", plugin, hook_name, describe_exception(exc))
+                    continue
+                section = run.config.sections.get(plugin)
+                if getattr(section, "strict", False):
+                    raise PluginError(f"plugin {plugin!r} ({plugin}.strict = true) failed in {hook_name} at step "
+                                      f"{run.state.global_step}: {describe_exception(exc)}") from exc
+                what = f"{hook_name} raised {describe_exception(exc)} at step {run.state.global_step}"
+                self.failed[plugin] = what
+                logger.warning("plugin %r: %s; it is switched off for the rest of the run, training goes on (set "
+                               "strict = true in [%s] to stop instead)", plugin, what, plugin)
+
+    def report(self) -> None:
+        """One line per plugin that was switched off, for the end of the run."""
+        for plugin, what in self.failed.items():
+            logger.warning("plugin %r was switched off after %s", plugin, what)
+
+
 def plugin_problems(plugin: Any, name: str) -> list[str]:
     """What would make pluggy ignore or refuse ``plugin``'s hook functions, one message each.
 
@@ -133,9 +175,14 @@ def plugin_problems(plugin: Any, name: str) -> list[str]:
         function = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
         if not callable(function) or isinstance(function, type):
             continue
-        if markers.parse_hookimpl_opts(plugin, attribute) is None:
+        opts = markers.parse_hookimpl_opts(plugin, attribute)
+        if opts is None:
             problems.append(f"plugin {name!r} defines {attribute} without @engine.hookimpl, so it would never be "
                             f"called; mark it with @hookimpl")
+            continue
+        if attribute in hookspecs.ISOLATED_HOOKS and (opts.get("wrapper") or opts.get("hookwrapper")):
+            problems.append(f"plugin {name!r}: {attribute} is called plugin by plugin (isolated), so it cannot be "
+                            "a wrapper; implement it plainly")
             continue
         takes = pluggy_varnames(getattr(hookspecs, attribute))[0]
         extra = [arg for arg in pluggy_varnames(getattr(plugin, attribute))[0] if arg not in takes]

@@ -19,7 +19,7 @@ import torch
 from . import config as cfg
 from .errors import ConfigError
 from .logs import quiet_known_noise, setup_logging
-from .plugins import PluginManager
+from .plugins import IsolatedHooks, PluginManager
 from .rundir import env_rank
 
 
@@ -151,6 +151,7 @@ class Run:
         raw["plugins"] = enabled + [name for name in objects if name not in enabled]
         self.plugin_manager = PluginManager(raw["plugins"], objects)
         self.hook = self.plugin_manager.hook
+        self.isolated_hooks = IsolatedHooks(self)  # the logging hooks and on_checkpoint_saved
         self.registries = self.plugin_manager.registries
         self.config = cfg.compose(raw, self.plugin_manager.option_schemas())
         _resolve_defaults(self.config.train)

@@ -325,13 +325,14 @@ class Claim:
         write_json(output_dir / RECORD, record)
         self.record = record
 
-    def finish(self, status: str) -> None:
-        """Record how the run ended ("finished", "failed", "diverged", "interrupted") and unlock."""
+    def finish(self, status: str, switched_off: dict[str, str] | None = None) -> None:
+        """Record how the run ended ("finished", "failed", "diverged", "interrupted") and which
+        plugins were switched off after a failure, and unlock."""
         if self.lock is None:
             return
         try:
             if self.record is not None:
-                self.record.update(status=status, updated=now())
+                self.record.update(status=status, updated=now(), switched_off=dict(switched_off or {}))
                 write_json(self.lock.output_dir / RECORD, self.record)
         except OSError as exc:  # e.g. the disk filled up: say so, but keep the error that ended the run
             logger.warning("could not record the run's status in %s: %s", self.lock.output_dir / RECORD, exc)

@@ -1,11 +1,12 @@
 """One behaviour test per hook: what a plugin implementing it can rely on."""
 
+import json
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-from engine import ConfigError, Run, StepOutput, Strategy, hookimpl, option
+from engine import ConfigError, PluginError, Run, StepOutput, Strategy, hookimpl, option
 from engine.testing import run_steps, tiny_dataset
 
 
@@ -189,3 +190,75 @@ def test_on_checkpoint_saved_gets_a_complete_checkpoint(tmp_path):
     assert len(saved) == 2
     assert {"checkpoint_complete", "model.safetensors", "optimizer.pt", "trainer_state.json"} <= set(saved[0])
     assert not list(tmp_path.glob(".tmp-*"))
+
+
+# ---------------------------------------------------------------------------- isolated hooks
+
+
+class Flaky:
+    """A tracker whose log_metrics raises from step ``fails_at`` on; records what it was sent."""
+
+    name = "flaky"
+
+    def __init__(self, fails_at, strict=False):
+        self.fails_at, self.strict = fails_at, strict
+        self.steps, self.finished = [], None
+
+    @hookimpl
+    def plugin_options(self):
+        @dataclass
+        class Options:
+            strict: bool = option(self.strict, help="a failure ends the run")
+
+        return Options
+
+    @hookimpl
+    def log_metrics(self, run, metrics, step):
+        if step >= self.fails_at:
+            raise ConnectionError("tracking server went away")
+        self.steps.append(step)
+
+    @hookimpl
+    def log_finish(self, run, status):
+        self.finished = status
+
+
+def test_a_tracker_that_raises_is_switched_off_and_training_goes_on(tmp_path, caplog):
+    plain = run_steps(6, output_dir=tmp_path / "plain")
+    flaky = Flaky(fails_at=3)
+    with caplog.at_level("WARNING", logger="engine"):
+        run = run_steps(6, objects=[flaky], output_dir=tmp_path / "flaky")
+    assert flaky.steps == [1, 2] and flaky.finished == "success"  # closed, though switched off
+    failures = [m for m in caplog.messages if "flaky" in m]
+    assert failures == [
+        "plugin 'flaky': log_metrics raised ConnectionError: tracking server went away at step 3; it is switched off "
+        "for the rest of the run, training goes on (set strict = true in [flaky] to stop instead)",
+        "plugin 'flaky' was switched off after log_metrics raised ConnectionError: tracking server went away at step 3"]
+    for name, value in plain.model.named_parameters():
+        assert torch.equal(dict(run.model.named_parameters())[name], value), name
+    record = json.loads((tmp_path / "flaky" / "run.json").read_text())
+    assert record["status"] == "finished" and list(record["switched_off"]) == ["flaky"]
+    assert len([line for line in (tmp_path / "flaky" / "metrics.jsonl").read_text().splitlines()]) == 7
+
+
+def test_a_strict_tracker_that_raises_ends_the_run(tmp_path):
+    with pytest.raises(PluginError, match=r"plugin 'flaky' \(flaky.strict = true\) failed in log_metrics at step 3: "
+                                          r"ConnectionError: tracking server went away"):
+        run_steps(6, objects=[Flaky(fails_at=3, strict=True)], output_dir=tmp_path)
+
+
+def test_an_upload_that_raises_never_ends_the_run(tmp_path):
+    uploads = plugin("upload", on_checkpoint_saved=lambda run, path: 1 / 0)
+    run = run_steps(4, objects=[uploads], output_dir=tmp_path, train={"save_strategy": "steps", "save_steps": 1})
+    assert run.state.global_step == 4 and "upload" in run.isolated_hooks.failed
+
+
+def test_isolated_hooks_refuse_wrappers():
+    class Wrapping:
+        @hookimpl(wrapper=True)
+        def log_metrics(self, run, metrics, step):
+            return (yield)
+
+    with pytest.raises(PluginError, match="log_metrics is called plugin by plugin \\(isolated\\), so it cannot be a "
+                                          "wrapper"):
+        Run({}, plugins=[Wrapping()])
