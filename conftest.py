@@ -1,8 +1,42 @@
-"""Settings for every test run from the repository root (tests/, contrib/, plugins/)."""
+"""Settings and fixtures for every test run from the repository root (tests/, contrib/, plugins/)."""
 
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
 import torch
 
 # The test models are tiny: one thread is far faster than two OpenMP workers waiting on each
 # other on a busy 2-core machine (a 7-step run took 10x longer). Subprocess tests keep torch's
 # default.
 torch.set_num_threads(1)
+
+
+@pytest.fixture
+def entry_point_plugin(tmp_path, monkeypatch):
+    """Install a plugin as a real distribution on sys.path: a module plus a .dist-info folder
+    whose entry_points.txt registers it in group engine.plugins. Returns install(name, source)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    installed = []
+
+    def install(name: str, source: str, module: str | None = None) -> str:
+        module = module or f"engine_test_{name}"
+        (site / f"{module}.py").write_text(textwrap.dedent(source))
+        dist = site / f"engine_test_{name}-0.1.dist-info"
+        dist.mkdir()
+        (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: engine-test-{name}\nVersion: 0.1\n")
+        (dist / "entry_points.txt").write_text(f"[engine.plugins]\n{name} = {module}\n")
+        installed.append(module)
+        return module
+
+    yield install
+    for module in installed:
+        sys.modules.pop(module, None)
+
+
+@pytest.fixture
+def site_dir(tmp_path):
+    return Path(tmp_path / "site")

@@ -77,10 +77,16 @@ logger = logging.getLogger("engine")
 
 PROGRESS_FIELDS = ("global_step", "epoch", "num_input_tokens_seen", "log_history", "best_metric",
                    "best_global_step", "best_model_checkpoint", "num_skipped_steps")
-REQUIRED = ("trainer_state.json", "optimizer.pt", "scheduler.pt", "engine_state.pt")
-# [train] keys that fix which sample comes at which step: a resume with other values would
-# not continue the same run, so it is refused
-DATA_ORDER_KEYS = ("seed", "per_device_train_batch_size", "gradient_accumulation_steps")
+REQUIRED = ("trainer_state.json", "scheduler.pt", "engine_state.pt")  # + the strategy's optimizer_files
+
+
+def data_order(run: Run) -> dict[str, int]:
+    """What fixes which samples make each step: a resume with other values would not continue the
+    same run, so it is refused. The global batch counts, not its split over processes: the
+    sampler gives N processes the same samples per step as one process with N times the batch."""
+    train = run.config.train
+    return {"seed": train.seed, "global_batch_size": train.per_device_train_batch_size * run.strategy.world_size,
+            "gradient_accumulation_steps": train.gradient_accumulation_steps}
 # config keys whose change on resume means the saved scheduler state is stale: a fresh
 # scheduler from the current config is advanced to the resumed step instead
 SCHEDULE_KEYS = ("train.learning_rate", "train.lr_scheduler_type", "train.lr_scheduler_kwargs",
@@ -596,7 +602,6 @@ def save(run: Run) -> Path:
     for plugin, plugin_state in plugin_states.items():
         _check_savable(plugin_state, plugin, "")
     model_state = strategy.model_state_dict(run.model)
-    optimizer_state = strategy.optimizer_state_dict(run.optimizer)
     if strategy.is_main_process:
         check_finite_weights(run, model_state, final.name)
     if state.best_global_step == state.global_step:
@@ -607,17 +612,15 @@ def save(run: Run) -> Path:
     strategy.barrier()
     with _writing(final.name, run.output_dir, tmp):
         torch.save(_rng_state(), tmp / _rng_file(strategy.rank))
+        strategy.save_optimizer(run.optimizer, tmp)
         strategy.barrier()
         if strategy.is_main_process:
             write_model(run, tmp, model_state)
-            torch.save(optimizer_state, tmp / "optimizer.pt")
             torch.save(run.scheduler.state_dict(), tmp / "scheduler.pt")
             torch.save({"strategy": strategy.state_dict(), "plugins": plugin_states}, tmp / "engine_state.pt")
-            train = run.config.train
             trainer_state = {**dataclasses.asdict(state), "plugins": list(run.config.plugins),
-                             "world_size": strategy.world_size,
-                             "data_order": {key: getattr(train, key) for key in DATA_ORDER_KEYS},
-                             "config": run.config.to_mapping()}
+                             "strategy": strategy.name, "world_size": strategy.world_size,
+                             "data_order": data_order(run), "config": run.config.to_mapping()}
             (tmp / "trainer_state.json").write_text(dumps_json(trainer_state, indent=2), encoding="utf-8")
             write_manifest(tmp, MARKER, run_id=run.run_id, step=state.global_step)
     if strategy.is_main_process:
@@ -706,7 +709,8 @@ def validate(run: Run, path: Path) -> None:
     if not path.is_dir():
         raise CheckpointError(f"resume_from_checkpoint: {path} is not a folder")
     weights = [WEIGHTS_INDEX] if (path / WEIGHTS_INDEX).is_file() else [WEIGHTS]
-    missing = [name for name in (MARKER, *REQUIRED, *weights) if not (path / name).is_file()]
+    required = (MARKER, *REQUIRED[:1], *run.strategy.optimizer_files, *REQUIRED[1:], *weights)
+    missing = [name for name in required if not (path / name).exists()]
     if missing:
         raise CheckpointError(f"resume_from_checkpoint: {path} is not a complete checkpoint "
                               f"(missing {', '.join(missing)})")
@@ -717,13 +721,20 @@ def validate(run: Run, path: Path) -> None:
             f"resume_from_checkpoint: {path} was made with plugins {sorted(saved)}, this run enables "
             f"{sorted(now)} (only in checkpoint: {sorted(saved - now) or 'none'}; only in run: "
             f"{sorted(now - saved) or 'none'})")
-    train = run.config.train
-    changed = [f"train.{key} = {getattr(train, key)!r} (checkpoint: {value!r})"
-               for key, value in trainer_state["data_order"].items() if getattr(train, key, value) != value]
+    train, strategy = run.config.train, run.strategy
+    now_order = data_order(run)
+    changed = [f"{_ORDER_NAMES[key]} = {now_order[key]!r} (checkpoint: {value!r})"
+               for key, value in trainer_state["data_order"].items() if now_order.get(key, value) != value]
     if changed:
         raise CheckpointError(f"resume_from_checkpoint: {path} was trained with a different data order: "
                               f"{'; '.join(changed)}. Resume with the checkpoint's values, or start a "
                               "fresh output_dir")
+    saved_world = trainer_state["world_size"]
+    if saved_world != strategy.world_size and not (strategy.resumes_other_world_sizes and
+                                                   trainer_state.get("strategy") in (strategy.name, None)):
+        raise CheckpointError(f"resume_from_checkpoint: {path} was made by {saved_world} processes "
+                              f"({trainer_state.get('strategy')}), this run has {strategy.world_size} "
+                              f"({strategy.name}), which cannot resume it; launch {saved_world} processes")
     saved_optim = trainer_state["config"]["train"].get("optim")
     if saved_optim != train.optim and not train.reset_optimizer:
         raise CheckpointError(
@@ -735,7 +746,8 @@ def validate(run: Run, path: Path) -> None:
             _check_safetensors(weights_file)
     except CheckpointError as exc:
         raise CheckpointError(f"checkpoint {exc}") from None
-    for name in [*REQUIRED[1:], *(p.name for p in path.glob("rng_state*.pt"))]:
+    for name in [*REQUIRED[1:], *(n for n in strategy.optimizer_files if n.endswith(".pt")),
+                 *(p.name for p in path.glob("rng_state*.pt"))]:
         try:  # torch.save files are zip archives: a truncated one has no central directory
             zipfile.ZipFile(path / name).close()
         except (zipfile.BadZipFile, OSError) as exc:
@@ -746,9 +758,12 @@ def validate(run: Run, path: Path) -> None:
         raise CheckpointError(f"checkpoint {exc}") from None
 
 
+_ORDER_NAMES = {"seed": "train.seed", "global_batch_size": "the global batch (per_device_train_batch_size x "
+                "processes)", "gradient_accumulation_steps": "train.gradient_accumulation_steps"}
 # trainer_state.json: key -> the types its value may have (what validate requires to resume)
 _TRAINER_STATE = {"global_step": (int,), "epoch": (int, float), "steps_per_epoch": (int,), "log_history": (list,),
                   "plugins": (list,), "world_size": (int,), "data_order": (dict,), "config": (dict,),
+                  "strategy": (str,),
                   "num_input_tokens_seen": (int,), "num_skipped_steps": (int,), "best_metric": (int, float, type(None)),
                   "best_global_step": (int, type(None)), "best_model_checkpoint": (str, type(None))}
 
@@ -772,7 +787,7 @@ def _read_trainer_state(path: Path) -> dict[str, Any]:
     return state
 
 
-def _load(path: Path, name: str, device: Any = "cpu", expect: tuple[str, ...] = ()) -> Any:
+def load_state_file(path: Path, name: str, device: Any = "cpu", expect: tuple[str, ...] = ()) -> Any:
     """``torch.load`` one file (weights_only); a dict with the ``expect`` keys, when given."""
     try:
         value = torch.load(path / name, map_location=device, weights_only=True)
@@ -786,7 +801,7 @@ def _load(path: Path, name: str, device: Any = "cpu", expect: tuple[str, ...] = 
 
 
 @contextlib.contextmanager
-def _restoring(path: Path, name: str):
+def restoring(path: Path, name: str):
     """A file's state that does not fit the run (other shapes, sizes, keys) is refused naming the file."""
     try:
         yield
@@ -852,36 +867,30 @@ def load(run: Run, path: str | Path) -> None:
     path = Path(path)
     trainer_state = _read_trainer_state(path)
     strategy, train = run.strategy, run.config.train
-    if trainer_state["world_size"] != strategy.world_size:
-        raise CheckpointError(f"resume_from_checkpoint: {path} was made by {trainer_state['world_size']} "
-                              f"processes, this run has {strategy.world_size}")
     if trainer_state["steps_per_epoch"] != run.state.steps_per_epoch:
         raise CheckpointError(f"resume_from_checkpoint: {path} had {trainer_state['steps_per_epoch']} steps "
                               f"per epoch, this run has {run.state.steps_per_epoch}: the train data changed")
     changes = config_changes(trainer_state["config"], run.config.to_mapping())
     # every file is read and checked against the run before the weights load, so a bad one
     # leaves the model as it was built
-    engine_state = _load(path, "engine_state.pt", expect=("strategy", "plugins"))
-    with _restoring(path, "engine_state.pt"):
+    engine_state = load_state_file(path, "engine_state.pt", expect=("strategy", "plugins"))
+    with restoring(path, "engine_state.pt"):
         strategy.load_state_dict(engine_state["strategy"])
     rng_file = _rng_file(strategy.rank)
     if (path / rng_file).is_file():
-        rng_state = _load(path, rng_file, expect=("python", "python_pos", "torch"))
-        with _restoring(path, rng_file):
+        rng_state = load_state_file(path, rng_file, expect=("python", "python_pos", "torch"))
+        with restoring(path, rng_file):
             _set_rng_state(rng_state)
     notes = {}
     if not train.reset_optimizer:
         fresh = [{k: v for k, v in group.items() if k != "params"} for group in run.optimizer.param_groups]
-        expected = tuple(strategy.optimizer_state_dict(run.optimizer))  # its own shape (layerwise ones differ)
-        optimizer_state = _load(path, "optimizer.pt", strategy.device, expect=expected)
-        with _restoring(path, "optimizer.pt"):
-            strategy.load_optimizer_state_dict(run.optimizer, optimizer_state)
+        strategy.load_optimizer(run.optimizer, path)
         notes = _apply_to_optimizer(run.optimizer, fresh, changes)
     if train.reset_optimizer or any(key in SCHEDULE_KEYS for key, _, _ in changes):
         _advance(run.scheduler, trainer_state["global_step"])
     else:
-        scheduler_state = _load(path, "scheduler.pt")
-        with _restoring(path, "scheduler.pt"):
+        scheduler_state = load_state_file(path, "scheduler.pt")
+        with restoring(path, "scheduler.pt"):
             run.scheduler.load_state_dict(scheduler_state)
     strategy.load_model_weights(run.model, path)
     for key in PROGRESS_FIELDS:  # max_steps and steps_per_epoch belong to the resumed run's config

@@ -61,7 +61,11 @@ def _raw_config(args: argparse.Namespace) -> dict[str, Any]:
 def _make_run(args: argparse.Namespace) -> Any:
     from .run import Run
 
-    return Run(_raw_config(args), overrides=args.sets, plugin_edits=args.plugin_edits)
+    try:
+        return Run(_raw_config(args), overrides=args.sets, plugin_edits=args.plugin_edits)
+    except EngineError as exc:
+        exc.shown_by_main = True  # every process composes the same run: the main process says it
+        raise
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -149,6 +153,16 @@ def _plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+RANK_ERROR_DELAY_S = 2.0
+
+
+def _launcher_rank() -> int:
+    import os
+
+    value = os.environ.get("RANK", "0")
+    return int(value) if value.isdigit() else 0
+
+
 def _join_plugin_edits(argv: list[str]) -> list[str]:
     """``--plugins -name`` as ``--plugins=-name``: argparse would read ``-name`` as an option."""
     joined: list[str] = []
@@ -199,18 +213,31 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return command(args)
     except EngineError as exc:
+        if _launcher_rank() and getattr(exc, "shown_by_main", False):
+            return exc.exit_status  # the main process prints it
         if show_traceback:
             import traceback
 
             traceback.print_exception(exc, file=sys.stderr)
-        print(f"engine: error: {exc}", file=sys.stderr)
+        _report(str(exc))
         return exc.exit_status
     except Exception as exc:  # a plugin's code that raised is the plugin's mistake: one line; else a bug here
         message = None if show_traceback else _raised_in_plugin(exc)
         if message is None:
             raise
-        print(f"engine: error: {message}; --traceback shows where", file=sys.stderr)
+        _report(f"{message}; --traceback shows where")
         return 2
     except KeyboardInterrupt:
         print("engine: interrupted", file=sys.stderr)
         return 130
+
+
+def _report(message: str) -> None:
+    """The error line; another process than the main one names its rank, after a pause in which
+    the launcher stops it if the main process failed as well (so a shared mistake is said once)."""
+    rank = _launcher_rank()
+    if rank:
+        import time
+
+        time.sleep(RANK_ERROR_DELAY_S)
+    print(f"engine: error: {f'[rank {rank}] ' if rank else ''}{message}", file=sys.stderr)

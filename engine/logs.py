@@ -48,6 +48,8 @@ KNOWN_NOISE = {
     "torch.utils._pytree": ("%s is an Enum subclass and is now natively supported",),
     # bitsandbytes' optional `kernels` package for a faster CPU 4-bit matmul
     "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward from kernels-community",),
+    # DeepSpeed (which transformers imports when it is installed) on a machine without a GPU
+    "DeepSpeed": ("Setting accelerator to CPU",),
 }
 
 

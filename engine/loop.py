@@ -4,11 +4,11 @@
                                                   #   register_schedulers, register_strategies
         configure(run)                            # refuse conflicts before anything loads
     train(run)
-        claim output_dir                          # lock it; fresh run or resume? a checkpoint to
-                                                  #   resume is validated; another run's folder is
-                                                  #   refused (engine/rundir.py)
+        strategy = create_strategy(run); strategy.setup()   # the process group, if any
+        claim output_dir                          # (main process) lock it; fresh run or resume? a
+                                                  #   checkpoint to resume is validated; another
+                                                  #   run's folder is refused (engine/rundir.py)
         run.setup()
-            strategy = create_strategy(run); strategy.setup()
             tokenizer, datasets, model            # from [train] / [data], or given to Run
             undo = patch_model(run, model)        # each plugin, in order
             model = strategy.prepare_model(model)
@@ -76,7 +76,7 @@ import torch
 
 from . import checkpoint, rundir
 from .errors import ConfigError, TrainingDiverged
-from .loss import count_items, logits_of
+from .loss import IGNORE_INDEX, count_items, logits_of
 from .util import call_user
 
 if TYPE_CHECKING:
@@ -86,7 +86,12 @@ logger = logging.getLogger("engine")
 
 
 def train(run: Run) -> dict[str, float]:
-    claim = rundir.claim(run)  # before anything loads: a busy folder or a bad checkpoint stops us here
+    run.setup_strategy()  # the process group first: the main process decides the claim for all
+    try:
+        claim = rundir.claim(run)  # before anything loads: a busy folder or a bad checkpoint stops us here
+    except BaseException:
+        run.strategy.teardown()
+        raise
     run.run_id = claim.run_id
     status = "failed"
     try:
@@ -143,6 +148,7 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
     scheduler_step = run.scheduler.step
     optimizer = run.optimizer
     shift = run.label_shift
+    distributed = strategy.world_size > 1
     skipped_in_a_row = 0
 
     lr = float(optimizer.param_groups[0]["lr"])
@@ -170,10 +176,14 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
                 window = [strategy.to_device(b) for b in itertools.islice(batches, accumulation)]
                 if not window:
                     break
-                # a lone micro-batch's mean loss is already the window's mean: no count needed
+                # a lone micro-batch's mean loss is already the window's mean: no count needed;
+                # with several processes, the count of the global batch (its losses then add up
+                # over processes to the global mean, whatever padding each process got)
                 num_items = None
-                if len(window) > 1 and "labels" in window[0]:
+                if (len(window) > 1 or distributed) and "labels" in window[0]:
                     num_items = sum(count_items(batch["labels"], shift) for batch in window)
+                    if distributed:
+                        num_items = strategy.reduce(num_items, "sum")
                 logged.tokens += sum(b["input_ids"].numel() for b in window if "input_ids" in b)
 
                 lr = float(optimizer.param_groups[0]["lr"])  # a tensor for some optimizers (torchao)
@@ -288,7 +298,8 @@ class _Interval:
             return
         steps, losses, norms = zip(*self.pending)
         self.pending = []
-        loss_values = torch.stack([loss.float() for loss in losses]).tolist()
+        # the mean over processes: every process logs and decides on the same numbers
+        loss_values = self.run.strategy.reduce(torch.stack([loss.float() for loss in losses]), "mean").tolist()
         norm_values = _host_values(norms)
         for step, loss, norm in zip(steps, loss_values, norm_values):
             if self.divergence is not None:
@@ -315,6 +326,8 @@ class _Interval:
         loss = self.loss / self.steps if self.steps else math.nan
         self.total_loss += self.loss
         self.total_steps += self.steps
+        if self.run.strategy.world_size > 1:  # every process's tokens (a sync here already: read())
+            self.tokens = int(self.run.strategy.reduce(torch.tensor(float(self.tokens)), "sum"))
         self.state.num_input_tokens_seen += self.tokens
         metrics = {"loss": round(loss, 6), "learning_rate": lr}
         if self.grad_norm is not None:
@@ -406,8 +419,12 @@ def _evaluate_one(run: Run, dataset: Any, prefix: str, want_predictions: bool) -
 
     strategy, model, train_cfg = run.strategy, run.wrapped_model, run.config.train
     sampler = None
+    length = 0
     if not isinstance(dataset, torch.utils.data.IterableDataset):
-        sampler = EpochSampler(len(dataset), 0, False, strategy.rank, strategy.world_size)
+        length = len(dataset)
+        # every process gets an equal share (sharded models need the same forwards everywhere),
+        # so up to world_size - 1 samples repeat at the end: their labels are masked below
+        sampler = EpochSampler(length, 0, False, strategy.rank, strategy.world_size)
     loader = torch.utils.data.DataLoader(dataset, batch_size=train_cfg.per_device_eval_batch_size,
                                          sampler=sampler, collate_fn=run.data_collator,
                                          num_workers=train_cfg.dataloader_num_workers,
@@ -426,16 +443,23 @@ def _evaluate_one(run: Run, dataset: Any, prefix: str, want_predictions: bool) -
         with torch.no_grad():
             for batch in loader:
                 batch = strategy.to_device(batch)
+                rows = len(next(iter(batch.values())))
+                if sampler is not None and strategy.world_size > 1 and "labels" in batch:
+                    positions = strategy.rank + strategy.world_size * torch.arange(samples, samples + rows)
+                    if bool((positions >= length).any()):  # a repeat: no loss, no items
+                        batch["labels"] = batch["labels"].clone()
+                        batch["labels"][(positions >= length).to(batch["labels"].device)] = IGNORE_INDEX
                 num_items = count_items(batch["labels"], run.label_shift) if "labels" in batch else None
                 outputs.clear()
                 with strategy.autocast():
                     loss = compute_loss(run=run, model=model, batch=batch, num_items_in_batch=num_items)
                     if collect and not outputs:  # a loss plugin that did not call the model
                         model(**batch)
-                weight = num_items if num_items is not None else len(next(iter(batch.values())))
-                loss_sum += loss.detach().double().cpu() * float(weight)
+                weight = num_items if num_items is not None else rows
+                if float(weight) > 0:  # a batch of repeats only has no loss to add
+                    loss_sum += loss.detach().double().cpu() * float(weight)
                 weight_sum += float(weight)
-                samples += len(next(iter(batch.values())))
+                samples += rows
                 if collect:
                     predictions.append(logits_of(outputs[-1]).detach().float().cpu())
                     if "labels" in batch:
@@ -455,6 +479,8 @@ def _evaluate_one(run: Run, dataset: Any, prefix: str, want_predictions: bool) -
         return metrics, None, None
     all_predictions = _concat_padded(predictions)
     all_labels = _concat_padded(label_ids) if label_ids else None
+    if strategy.world_size > 1 and sampler is not None:
+        all_predictions, all_labels = _gather_in_order(strategy, all_predictions, all_labels, length)
     if use_metrics:
         function = run.compute_metrics
         name = train_cfg.compute_metrics if run.compute_metrics_key == "train.compute_metrics" else \
@@ -466,6 +492,34 @@ def _evaluate_one(run: Run, dataset: Any, prefix: str, want_predictions: bool) -
         for key, value in computed.items():
             metrics[key if key.startswith(prefix + "_") else f"{prefix}_{key}"] = value
     return metrics, all_predictions, all_labels
+
+
+def _gather_in_order(strategy: Any, predictions: Any, labels: Any, length: int) -> tuple[Any, Any]:
+    """Every process's rows, back in dataset order, without the repeats of the equal shares.
+
+    Process r holds rows r, r + world_size, r + 2 * world_size, ... of the dataset.
+    """
+    import numpy
+
+    parts = strategy.gather_object((predictions, labels))
+    world = strategy.world_size
+
+    def merged(arrays: list[Any]) -> Any:
+        width = max(a.shape[1] for a in arrays) if arrays[0].ndim > 1 else None
+        out = None
+        for rank, array in enumerate(arrays):
+            if width is not None and array.shape[1] < width:  # ragged sequences: pad as _concat_padded does
+                pad = [(0, 0), (0, width - array.shape[1])] + [(0, 0)] * (array.ndim - 2)
+                array = numpy.pad(array, pad, constant_values=-100)
+            if out is None:
+                out = numpy.empty((length, *array.shape[1:]), dtype=array.dtype)
+            rows = numpy.arange(rank, rank + world * len(array), world)
+            keep = rows < length
+            out[rows[keep]] = array[keep]
+        return out
+
+    gathered_labels = None if labels is None else merged([part[1] for part in parts])
+    return merged([part[0] for part in parts]), gathered_labels
 
 
 class EvalPrediction(tuple):

@@ -186,6 +186,13 @@ class Run:
     def output_dir(self) -> Path:
         return Path(self.config.train.output_dir)
 
+    def setup_strategy(self) -> None:
+        """Create the strategy and set it up (the process group, if any). Idempotent; cheap."""
+        if self.strategy is None:
+            self.strategy = self.hook.create_strategy(run=self)
+            self.strategy.setup()
+            setup_logging(self.config.train, self.strategy.rank, self.strategy.local_rank)
+
     def setup(self) -> None:
         """Build everything the loop needs, through the hooks. Idempotent."""
         if self.is_setup:
@@ -195,9 +202,7 @@ class Run:
         from .models import build_model, check_model
 
         train, data = self.config.train, self.config.data
-        self.strategy = self.hook.create_strategy(run=self)
-        self.strategy.setup()
-        setup_logging(train, self.strategy.rank, self.strategy.local_rank)
+        self.setup_strategy()
         set_seed(train.seed)
         if self.model is None:
             check_model(train, data.max_length)  # its config, before the tokenizer, data and weights load

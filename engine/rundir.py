@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import __version__
 from .config import START_KEYS
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, EngineError
 from .layout import FINAL_MARKER, LOCK, MARKER, MODEL_FILES, RECORD, RUN_FILES
 from .util import dumps_json, write_json
 
@@ -347,13 +347,29 @@ def claim(run: Run) -> Claim:
     :func:`engine.checkpoint.validate`); a fresh run into another run's folder is refused, or the
     folder cleared with ``train.overwrite_output_dir``.
     """
+    strategy = run.strategy
+    if strategy.world_size == 1:
+        return _claim_as_main(run)
+    if not strategy.is_main_process:  # the main process decides; the others take its answer
+        answer = strategy.broadcast_object(None)
+        if isinstance(answer, EngineError):
+            answer.shown_by_main = True
+            raise answer
+        run_id, resume_from = answer  # validated there (its structure is checked again as it loads)
+        return Claim(run_id, Path(resume_from) if resume_from else None, None)
+    try:
+        claimed = _claim_as_main(run)
+    except EngineError as exc:
+        strategy.broadcast_object(exc)
+        raise
+    strategy.broadcast_object((claimed.run_id, str(claimed.resume_from) if claimed.resume_from else None))
+    return claimed
+
+
+def _claim_as_main(run: Run) -> Claim:
     from .checkpoint import find_resume_checkpoint, remove_partial
 
     output_dir = run.output_dir
-    if not is_main_process():  # reads only; the main process decides and writes
-        record = read_record(output_dir)
-        resume_from = find_resume_checkpoint(run, record["run_id"] if record else None)
-        return Claim((checkpoint_run_id(resume_from) if resume_from else None) or "", resume_from, None)
     lock = lock_output_dir(output_dir)
     try:
         remove_partial(output_dir)

@@ -1,13 +1,23 @@
 """The strategy: where the model runs and how gradients are made, reduced and applied.
 
-:class:`Strategy` is the builtin single-process strategy (CPU or one GPU). Distributed
-strategies (DDP, FSDP, DeepSpeed plugins) subclass it and override what differs; the loop only
-talks to this interface. Register one with the ``register_strategies`` hook.
+:class:`Strategy` is the builtin single-process strategy (CPU or one GPU).
+:class:`DistributedStrategy` adds what every multi-process strategy shares: the ranks from the
+launcher's environment (torchrun, the deepspeed launcher), the ``torch.distributed`` process
+group (gloo on CPU, nccl on GPU, with a timeout), reductions, barriers and broadcasts. The DDP,
+FSDP and DeepSpeed plugins subclass it and override what differs (wrapping, backward, checkpoint
+I/O); the loop only talks to this interface. Register one with the ``register_strategies`` hook.
+
+Gradients are averaged over processes by every distributed strategy: a loss normalized by the
+item count of the whole global batch is therefore scaled by ``world_size`` before backward (the
+builtin step does it), which makes N processes equal one process with N times the batch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,6 +35,10 @@ class Strategy:
     rank = 0
     local_rank = 0
     world_size = 1
+    # a checkpoint of full weights and a full optimizer state resumes under any world size
+    resumes_other_world_sizes = True
+    # files save_optimizer writes into a checkpoint (checked before a resume loads anything)
+    optimizer_files: tuple[str, ...] = ("optimizer.pt",)
 
     def __init__(self, run: Run):
         self.run = run
@@ -59,8 +73,16 @@ class Strategy:
         """Wait for all processes."""
 
     def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        """Reduce ``tensor`` over processes (``mean`` or ``sum``); identity here."""
+        """``tensor`` reduced over processes (``mean``, ``sum``, ``min`` or ``max``); identity here."""
         return tensor
+
+    def broadcast_object(self, value: Any, src: int = 0) -> Any:
+        """``value`` of process ``src``, on every process (picklable objects)."""
+        return value
+
+    def gather_object(self, value: Any) -> list[Any]:
+        """Every process's ``value``, in rank order, on every process."""
+        return [value]
 
     # ------------------------------------------------------------------ model and optimizer
 
@@ -130,10 +152,29 @@ class Strategy:
         load_weights(model, folder, self.device)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The full optimizer state, for saving on the main process."""
         return optimizer.state_dict()
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         optimizer.load_state_dict(state)
+
+    def save_optimizer(self, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+        """Write the optimizer state into checkpoint ``folder`` (:attr:`optimizer_files`).
+
+        Called on every process; here the main process writes the full state to optimizer.pt.
+        """
+        state = self.optimizer_state_dict(optimizer)
+        if self.is_main_process:
+            torch.save(state, folder / "optimizer.pt")
+
+    def load_optimizer(self, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+        """Restore what :meth:`save_optimizer` wrote; a file that does not fit is a CheckpointError naming it."""
+        from .checkpoint import load_state_file, restoring
+
+        expected = tuple(self.optimizer_state_dict(optimizer))  # its own shape (layerwise ones differ)
+        state = load_state_file(folder, "optimizer.pt", self.device, expect=expected)
+        with restoring(folder, "optimizer.pt"):
+            self.load_optimizer_state_dict(optimizer, state)
 
     def state_dict(self) -> dict[str, Any]:
         """Strategy state for checkpoints (the fp16 loss scale)."""
@@ -142,6 +183,79 @@ class Strategy:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
+
+
+class DistributedStrategy(Strategy):
+    """Processes started by a launcher (``torchrun``, ``deepspeed``), one ``torch.distributed`` group.
+
+    Ranks come from the standard environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...);
+    without a launcher it is one process (a group of one), so a run and its checkpoints also work
+    there. The group is gloo on CPU, nccl on GPU, with ``timeout_s`` on every collective, so a
+    process that died never leaves the others waiting forever. A group that already exists (a
+    notebook, a test driver) is used and left as it was.
+    """
+
+    name = "distributed"
+
+    def __init__(self, run: Run, timeout_s: float = 1800.0):
+        from .rundir import env_rank
+
+        self.world_size = env_rank("WORLD_SIZE") if "WORLD_SIZE" in os.environ else 1
+        self.rank = env_rank("RANK")
+        self.local_rank = env_rank("LOCAL_RANK")
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.owns_group = False
+        super().__init__(run)
+
+    def setup(self) -> None:
+        import torch.distributed as dist
+
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if dist.is_initialized():
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+            return
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend, timeout=self.timeout, rank=self.rank, world_size=self.world_size)
+        else:  # no launcher: a group of one, in memory
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=self.timeout)
+        self.owns_group = True
+
+    def teardown(self) -> None:
+        import torch.distributed as dist
+
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self.owns_group = False
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+    _OPS = {"sum": "SUM", "mean": "SUM", "min": "MIN", "max": "MAX"}
+
+    def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        import torch.distributed as dist
+
+        reduced = tensor.detach().to(self.device, copy=True)  # nccl reduces device tensors only
+        dist.all_reduce(reduced, op=getattr(dist.ReduceOp, self._OPS[op]))
+        return (reduced / self.world_size if op == "mean" else reduced).to(tensor.device)
+
+    def broadcast_object(self, value: Any, src: int = 0) -> Any:
+        import torch.distributed as dist
+
+        box = [value]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def gather_object(self, value: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, value)
+        return gathered
 
 
 def strategy_name(run: Run) -> str:

@@ -1,4 +1,5 @@
-"""Helpers for plugin authors' tests: a tiny model and dataset, short runs, a hook recorder.
+"""Helpers for plugin authors' tests: a tiny model and dataset, short runs, a hook recorder, and
+launching several processes with torchrun.
 
 Example (a whole plugin test)::
 
@@ -121,3 +122,83 @@ class HookRecorder:
 
     def count(self, hook_name: str) -> int:
         return sum(1 for name, _ in self.calls if name == hook_name)
+
+
+def free_port() -> int:
+    """A TCP port on localhost that is free now (for a rendezvous endpoint)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(args: list[str], nproc: int = 2, *, nnodes: int = 1, node_rank: int = 0, endpoint: str | None = None,
+             timeout: float = 600, env: dict[str, str] | None = None, cwd: Any = None,
+             popen: bool = False) -> Any:
+    """Run ``torchrun ... args`` (e.g. ``["-m", "engine", "train", "run.toml"]`` or a script and its
+    arguments) with ``nproc`` processes per node, one torch thread each, under ``timeout``.
+
+    One node uses a standalone rendezvous on a free port; several nodes (one call per node, with
+    ``node_rank``) meet through a c10d rendezvous at ``endpoint`` ("localhost:PORT"). Returns the
+    ``subprocess.CompletedProcess`` (stdout and stderr as text), or the ``Popen`` with ``popen=True``
+    (its own session: ``os.killpg`` stops the whole job).
+    """
+    import os
+    import subprocess
+    import sys
+
+    if nnodes == 1:
+        rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint or f"localhost:{free_port()}"]
+    else:
+        rendezvous = ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
+                      "--rdzv-endpoint", endpoint, "--rdzv-id", "engine-test"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *rendezvous, *args]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    if popen:
+        return subprocess.Popen(command, env=environment, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+    return subprocess.run(command, env=environment, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def run_cases(cases_file: str | Path, out_dir: str | Path) -> None:
+    """Train every case of a JSON list in this (torchrun-launched) job; the main process saves each
+    case's full weights to ``out_dir/<name>.pt``. One launch, many cases: the process group is
+    made once and every run's strategy uses it.
+
+    A case: ``{"name", "steps", "plugins", "train", "sections", "objects" (["module:attr"] plugin
+    objects), "size", "seq_len", "ragged"}``; the model is :func:`tiny_model` (seed 0), the data
+    :func:`tiny_dataset`. Run it as ``torchrun ... -m engine.testing CASES.json OUT_DIR``.
+    """
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    out_dir = Path(out_dir)
+    if "WORLD_SIZE" in os.environ and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    for case in json.loads(Path(cases_file).read_text()):
+        objects = [_load_object(spec) for spec in case.get("objects", [])]
+        data = tiny_dataset(size=case.get("size", 64), seq_len=case.get("seq_len", 16), ragged=case.get("ragged", False))
+        run = run_steps(case["steps"], plugins=case.get("plugins", []), objects=objects,
+                        output_dir=out_dir / case["name"], train=case.get("train"), sections=case.get("sections"),
+                        model=tiny_model(seed=0), dataset=data)
+        weights = run.strategy.model_state_dict(run.model)
+        if run.strategy.is_main_process:
+            torch.save({name: tensor.detach().cpu() for name, tensor in weights.items()}, out_dir / f"{case['name']}.pt")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _load_object(spec: str) -> Any:
+    import importlib
+
+    module, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+if __name__ == "__main__":
+    import sys
+
+    run_cases(sys.argv[1], sys.argv[2])

@@ -102,7 +102,8 @@ def test_checkpoint_layout_and_trainer_state(tmp_path):
             "engine_state.pt", "trainer_state.json", "checkpoint_complete"} <= names
     state = json.loads((folder / "trainer_state.json").read_text())
     assert state["global_step"] == 2 and state["plugins"] == []
-    assert state["data_order"] == {"seed": 42, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1}
+    assert state["data_order"] == {"seed": 42, "global_batch_size": 4, "gradient_accumulation_steps": 1}
+    assert state["strategy"] == "single" and state["world_size"] == 1
     assert [h["step"] for h in state["log_history"] if "loss" in h] == [1, 2]
     rng = torch.load(folder / "rng_state.pt", weights_only=True)
     assert {"python", "torch", "numpy"} <= set(rng)

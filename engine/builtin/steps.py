@@ -32,6 +32,8 @@ def training_step(run, batches, num_items_in_batch):
     compute_loss = run.hook.compute_loss
     train = run.config.train
     last = len(batches) - 1
+    # a loss over the global batch's item count: processes' gradients are averaged, so scale it
+    scale = strategy.world_size if num_items_in_batch is not None and strategy.world_size > 1 else 1
     total = None
     for index, batch in enumerate(batches):
         # gradients are synchronised (DDP) only on the window's last micro-batch
@@ -40,6 +42,8 @@ def training_step(run, batches, num_items_in_batch):
                 loss = compute_loss(run=run, model=model, batch=batch, num_items_in_batch=num_items_in_batch)
             if num_items_in_batch is None and len(batches) > 1:
                 loss = loss / len(batches)
+            if scale != 1:
+                loss = loss * scale
             strategy.backward(loss)
         total = loss.detach() if total is None else total + loss.detach()
     skip = train.on_nonfinite == "skip"
@@ -47,7 +51,7 @@ def training_step(run, batches, num_items_in_batch):
     grad_norm = None
     if max_norm > 0 or skip:  # skipping needs the norm even without clipping (inf: measure only)
         grad_norm = strategy.clip_grad_norm(optimizer, max_norm if max_norm > 0 else math.inf)
-    if skip and not _finite(total, None if strategy.scales_loss else grad_norm):  # one host sync
+    if skip and not _finite(total, None if strategy.scales_loss else grad_norm, strategy):  # one host sync
         if strategy.scales_loss:
             strategy.optimizer_step(optimizer)  # the loss scaler skips it and lowers its scale
         optimizer.zero_grad(set_to_none=True)
@@ -57,11 +61,12 @@ def training_step(run, batches, num_items_in_batch):
     return StepOutput(total, grad_norm)
 
 
-def _finite(loss, grad_norm) -> bool:
+def _finite(loss, grad_norm, strategy) -> bool:
     finite = torch.isfinite(loss)
     if grad_norm is not None:
         finite = finite & torch.isfinite(torch.as_tensor(grad_norm, device=finite.device))
-    return bool(finite)
+    # decided together: a process that skipped alone would leave the others' weights behind
+    return bool(strategy.reduce(finite.float(), "min"))
 
 
 @hookimpl
