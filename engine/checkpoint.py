@@ -77,7 +77,7 @@ logger = logging.getLogger("engine")
 
 PROGRESS_FIELDS = ("global_step", "epoch", "num_input_tokens_seen", "log_history", "best_metric",
                    "best_global_step", "best_model_checkpoint", "num_skipped_steps")
-REQUIRED = ("trainer_state.json", "scheduler.pt", "engine_state.pt")  # + the strategy's optimizer_files
+REQUIRED = ("trainer_state.json", "scheduler.pt", "engine_state.pt")  # + the strategy's checkpoint_files
 
 
 def data_order(run: Run) -> dict[str, int]:
@@ -245,6 +245,9 @@ def _writing(what: str, folder: Path, tmp: Path):
 
     try:
         yield
+    except TrainingDiverged:  # refused before writing: nothing half-written stays behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     except (OSError, RuntimeError, SafetensorError) as exc:
         if isinstance(exc, OSError):
             reason = exc.strerror or str(exc)
@@ -253,6 +256,7 @@ def _writing(what: str, folder: Path, tmp: Path):
         elif isinstance(exc, RuntimeError) and "inline_container" in str(exc):
             reason = _lost_errno(folder)
         else:
+            shutil.rmtree(tmp, ignore_errors=True)
             raise
         shutil.rmtree(tmp, ignore_errors=True)
         free = shutil.disk_usage(folder).free / 1e6
@@ -601,9 +605,6 @@ def save(run: Run) -> Path:
     plugin_states = run.plugin_manager.per_plugin("checkpoint_state", run=run)
     for plugin, plugin_state in plugin_states.items():
         _check_savable(plugin_state, plugin, "")
-    model_state = strategy.model_state_dict(run.model)
-    if strategy.is_main_process:
-        check_finite_weights(run, model_state, final.name)
     if state.best_global_step == state.global_step:
         state.best_model_checkpoint = str(final)
     if strategy.is_main_process:
@@ -612,10 +613,9 @@ def save(run: Run) -> Path:
     strategy.barrier()
     with _writing(final.name, run.output_dir, tmp):
         torch.save(_rng_state(), tmp / _rng_file(strategy.rank))
-        strategy.save_optimizer(run.optimizer, tmp)
+        strategy.save_checkpoint_files(run, tmp, final.name)
         strategy.barrier()
         if strategy.is_main_process:
-            write_model(run, tmp, model_state)
             torch.save(run.scheduler.state_dict(), tmp / "scheduler.pt")
             torch.save({"strategy": strategy.state_dict(), "plugins": plugin_states}, tmp / "engine_state.pt")
             trainer_state = {**dataclasses.asdict(state), "plugins": list(run.config.plugins),
@@ -708,8 +708,8 @@ def validate(run: Run, path: Path) -> None:
     """Refuse a folder that is not a complete checkpoint of this run, naming what is wrong."""
     if not path.is_dir():
         raise CheckpointError(f"resume_from_checkpoint: {path} is not a folder")
-    weights = [WEIGHTS_INDEX] if (path / WEIGHTS_INDEX).is_file() else [WEIGHTS]
-    required = (MARKER, *REQUIRED[:1], *run.strategy.optimizer_files, *REQUIRED[1:], *weights)
+    strategy_files = run.strategy.checkpoint_files(path)
+    required = (MARKER, *REQUIRED, *strategy_files)
     missing = [name for name in required if not (path / name).exists()]
     if missing:
         raise CheckpointError(f"resume_from_checkpoint: {path} is not a complete checkpoint "
@@ -742,11 +742,12 @@ def validate(run: Run, path: Path) -> None:
             f"{train.optim!r}, whose state cannot be restored from it; resume with train.optim = {saved_optim!r}, "
             f"or keep the weights and start {train.optim!r} fresh with train.reset_optimizer = true")
     try:
-        for weights_file in _weight_files(path):
-            _check_safetensors(weights_file)
+        if WEIGHTS in strategy_files or WEIGHTS_INDEX in strategy_files:
+            for weights_file in _weight_files(path):
+                _check_safetensors(weights_file)
     except CheckpointError as exc:
         raise CheckpointError(f"checkpoint {exc}") from None
-    for name in [*REQUIRED[1:], *(n for n in strategy.optimizer_files if n.endswith(".pt")),
+    for name in [*REQUIRED[1:], *(n for n in strategy_files if n.endswith(".pt")),
                  *(p.name for p in path.glob("rng_state*.pt"))]:
         try:  # torch.save files are zip archives: a truncated one has no central directory
             zipfile.ZipFile(path / name).close()

@@ -37,8 +37,6 @@ class Strategy:
     world_size = 1
     # a checkpoint of full weights and a full optimizer state resumes under any world size
     resumes_other_world_sizes = True
-    # files save_optimizer writes into a checkpoint (checked before a resume loads anything)
-    optimizer_files: tuple[str, ...] = ("optimizer.pt",)
 
     def __init__(self, run: Run):
         self.run = run
@@ -158,17 +156,32 @@ class Strategy:
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         optimizer.load_state_dict(state)
 
-    def save_optimizer(self, optimizer: torch.optim.Optimizer, folder: Path) -> None:
-        """Write the optimizer state into checkpoint ``folder`` (:attr:`optimizer_files`).
+    def save_checkpoint_files(self, run: Run, folder: Path, what: str) -> None:
+        """Write the model's weights and the optimizer state into checkpoint ``folder``.
 
-        Called on every process; here the main process writes the full state to optimizer.pt.
+        Called on every process (gathering sharded state is collective). Non-finite weights are
+        refused (:class:`~engine.errors.TrainingDiverged`, naming ``what``) before anything is
+        written. Here the main process writes the full weights in the HF layout and optimizer.pt,
+        so the checkpoint resumes under any number of processes; sharded strategies write shards.
         """
-        state = self.optimizer_state_dict(optimizer)
+        from .checkpoint import check_finite_weights, write_model
+
+        model_state = self.model_state_dict(run.model)
         if self.is_main_process:
-            torch.save(state, folder / "optimizer.pt")
+            check_finite_weights(run, model_state, what)
+        optimizer_state = self.optimizer_state_dict(run.optimizer)
+        if self.is_main_process:
+            write_model(run, folder, model_state)
+            torch.save(optimizer_state, folder / "optimizer.pt")
+
+    def checkpoint_files(self, folder: Path) -> tuple[str, ...]:
+        """The files and folders :meth:`save_checkpoint_files` wrote into ``folder`` (checked before resuming)."""
+        from .layout import WEIGHTS, WEIGHTS_INDEX
+
+        return (WEIGHTS_INDEX if (folder / WEIGHTS_INDEX).is_file() else WEIGHTS, "optimizer.pt")
 
     def load_optimizer(self, optimizer: torch.optim.Optimizer, folder: Path) -> None:
-        """Restore what :meth:`save_optimizer` wrote; a file that does not fit is a CheckpointError naming it."""
+        """Restore the optimizer state a checkpoint holds; a file that does not fit is a CheckpointError naming it."""
         from .checkpoint import load_state_file, restoring
 
         expected = tuple(self.optimizer_state_dict(optimizer))  # its own shape (layerwise ones differ)

@@ -155,8 +155,8 @@ def test_resume_from_a_folder_that_is_not_a_checkpoint(tmp_path):
     (tmp_path / "stuff" / "notes.txt").write_text("hello")
     run = _run(tmp_path, {"resume_from_checkpoint": str(tmp_path / "stuff")})
     with pytest.raises(CheckpointError, match=r"stuff is not a complete checkpoint \(missing checkpoint_complete, "
-                                              r"trainer_state.json, optimizer.pt, scheduler.pt, engine_state.pt, "
-                                              r"model.safetensors\)"):
+                                              r"trainer_state.json, scheduler.pt, engine_state.pt, model.safetensors, "
+                                              r"optimizer.pt\)"):
         run.train()
     assert run.model is not None and run.optimizer is None  # refused before setup
     with pytest.raises(CheckpointError, match="nowhere is not a folder"):
@@ -213,7 +213,7 @@ def test_cli_resume_errors_are_one_line_and_nothing_runs(tmp_path):
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
         f"engine: error: resume_from_checkpoint: {tmp_path} is not a complete checkpoint (missing "
-        "checkpoint_complete, trainer_state.json, optimizer.pt, scheduler.pt, engine_state.pt, model.safetensors)"]
+        "checkpoint_complete, trainer_state.json, scheduler.pt, engine_state.pt, model.safetensors, optimizer.pt)"]
     assert not (tmp_path / "out").exists()
 
 
