@@ -475,33 +475,45 @@ def check_model_folder(folder: Path, key: str) -> None:
                 raise CheckpointError(f"{key}: {exc}") from None
 
 
-def load_weights(model: torch.nn.Module, folder: str | Path, device: Any = "cpu") -> None:
-    """Load a checkpoint's or a final model's safetensors weights into ``model`` (strict)."""
+def read_weights(model: torch.nn.Module, folder: str | Path, device: Any = "cpu") -> dict[str, torch.Tensor]:
+    """A model folder's safetensors weights, checked against ``model``: one tensor per name of its state dict.
+
+    Tied weights are stored once: a name missing from the files is filled from the stored name
+    it shares its tensor with. Names that are missing or unexpected are a CheckpointError.
+    """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    files = _weight_files(folder)
     state: dict[str, torch.Tensor] = {}
-    for path in files:
+    for path in _weight_files(folder):
         _check_safetensors(path)
         try:
             state.update(load_file(str(path), device=str(device)))
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"checkpoint {folder}: cannot load {path.name}: {exc}") from None
-    expected = model.state_dict()
-    # tied weights are stored once: any name missing from the file must alias a stored tensor
-    aliases = {}
-    for name, tensor in expected.items():
-        aliases.setdefault((tensor.data_ptr(), tensor.shape), []).append(name)
-    missing = [name for name in expected if name not in state and not any(
-        alias in state for alias in aliases[(expected[name].data_ptr(), expected[name].shape)])]
+    tied: dict[int, list[str]] = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        tied.setdefault(id(tensor), []).append(name)
+    for names in tied.values():
+        stored = next((name for name in names if name in state), None)
+        for name in names:
+            if stored is not None and name not in state:
+                state[name] = state[stored]
+    expected = model.state_dict().keys()
+    missing = [name for name in expected if name not in state]
     unexpected = [name for name in state if name not in expected]
     if missing or unexpected:
         raise CheckpointError(f"checkpoint {folder}: weights do not match the model (missing "
                               f"{missing[:5] or 'none'}, unexpected {unexpected[:5] or 'none'})")
+    return state
+
+
+def load_weights(model: torch.nn.Module, folder: str | Path, device: Any = "cpu") -> None:
+    """Load a checkpoint's or a final model's safetensors weights into ``model`` (strict)."""
+    state = read_weights(model, folder, device)
     try:
-        model.load_state_dict(state, strict=False)
+        model.load_state_dict(state)
     except RuntimeError as exc:  # shape mismatch: a different model config
         raise CheckpointError(f"checkpoint {folder}: weights do not fit the model: {exc}") from None
 
@@ -619,7 +631,8 @@ def save(run: Run) -> Path:
             torch.save(run.scheduler.state_dict(), tmp / "scheduler.pt")
             torch.save({"strategy": strategy.state_dict(), "plugins": plugin_states}, tmp / "engine_state.pt")
             trainer_state = {**dataclasses.asdict(state), "plugins": list(run.config.plugins),
-                             "strategy": strategy.name, "world_size": strategy.world_size,
+                             "strategy": strategy.name, "checkpoint_format": strategy.checkpoint_format,
+                             "world_size": strategy.world_size,
                              "data_order": data_order(run), "config": run.config.to_mapping()}
             (tmp / "trainer_state.json").write_text(dumps_json(trainer_state, indent=2), encoding="utf-8")
             write_manifest(tmp, MARKER, run_id=run.run_id, step=state.global_step)
@@ -729,9 +742,13 @@ def validate(run: Run, path: Path) -> None:
         raise CheckpointError(f"resume_from_checkpoint: {path} was trained with a different data order: "
                               f"{'; '.join(changed)}. Resume with the checkpoint's values, or start a "
                               "fresh output_dir")
+    saved_format = trainer_state.get("checkpoint_format", "torch")
+    if saved_format != strategy.checkpoint_format:
+        raise CheckpointError(f"resume_from_checkpoint: {path} holds {saved_format!r} checkpoint files (strategy "
+                              f"{trainer_state.get('strategy')}), this run's strategy {strategy.name} reads "
+                              f"{strategy.checkpoint_format!r}; resume with the checkpoint's strategy and options")
     saved_world = trainer_state["world_size"]
-    if saved_world != strategy.world_size and not (strategy.resumes_other_world_sizes and
-                                                   trainer_state.get("strategy") in (strategy.name, None)):
+    if saved_world != strategy.world_size and not strategy.resumes_other_world_sizes:
         raise CheckpointError(f"resume_from_checkpoint: {path} was made by {saved_world} processes "
                               f"({trainer_state.get('strategy')}), this run has {strategy.world_size} "
                               f"({strategy.name}), which cannot resume it; launch {saved_world} processes")

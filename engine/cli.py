@@ -28,6 +28,9 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override a config value, e.g. --set train.learning_rate=1e-4 (repeatable)")
     parser.add_argument("--plugins", dest="plugin_edits", action="append", default=[], metavar="EDIT",
                         help="'+name,-name' enables/disables plugins; 'a,b' replaces the list")
+    parser.add_argument("--accelerate-config", metavar="FILE.yaml", help=(
+        "map an Accelerate config file (distributed_type, fsdp_config, deepspeed_config, mixed_precision, "
+        "...) onto the strategy plugins; engine plan shows the mapping"))
     parser.add_argument("--traceback", action="store_true", help=(
         "on an error, also print its traceback (or set ENGINE_TRACEBACK=1)"))
 
@@ -55,17 +58,29 @@ def build_parser() -> argparse.ArgumentParser:
 def _raw_config(args: argparse.Namespace) -> dict[str, Any]:
     from .config import default_run_mapping, read_run_file
 
-    return read_run_file(args.run_file) if args.run_file is not None else default_run_mapping()
+    raw = read_run_file(args.run_file) if args.run_file is not None else default_run_mapping()
+    if getattr(args, "accelerate_config", None):
+        from . import accelerate_config
+
+        raw, mapping = accelerate_config.apply(raw, args.accelerate_config)
+        args.accelerate_mapping = mapping
+    return raw
 
 
 def _make_run(args: argparse.Namespace) -> Any:
     from .run import Run
 
     try:
-        return Run(_raw_config(args), overrides=args.sets, plugin_edits=args.plugin_edits)
+        run = Run(_raw_config(args), overrides=args.sets, plugin_edits=args.plugin_edits)
     except EngineError as exc:
         exc.shown_by_main = True  # every process composes the same run: the main process says it
         raise
+    mapping = getattr(args, "accelerate_mapping", None)
+    if mapping is not None and args.command != "plan":
+        import logging
+
+        logging.getLogger("engine").info("accelerate config %s: %s", mapping.source, "; ".join(mapping.lines))
+    return run
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -120,7 +135,12 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    print(_make_run(args).plan())
+    text = _make_run(args).plan()
+    mapping = getattr(args, "accelerate_mapping", None)
+    if mapping is not None:
+        text += f"\n\naccelerate config {mapping.source} (mapped; --set overrides it):\n" + \
+            "\n".join(f"  {line}" for line in mapping.lines)
+    print(text)
     return 0
 
 

@@ -37,6 +37,9 @@ class Strategy:
     world_size = 1
     # a checkpoint of full weights and a full optimizer state resumes under any world size
     resumes_other_world_sizes = True
+    # what save_checkpoint_files writes: strategies that write the same files can resume each
+    # other's checkpoints ("torch": full weights in the HF layout and torch's optimizer.pt)
+    checkpoint_format = "torch"
 
     def __init__(self, run: Run):
         self.run = run

@@ -161,6 +161,50 @@ def torchrun(args: list[str], nproc: int = 2, *, nnodes: int = 1, node_rank: int
     return subprocess.run(command, env=environment, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
+def launch_cases(cases: list[dict[str, Any]], out_dir: str | Path, nproc: int = 2,
+                 env: dict[str, str] | None = None, **torchrun_kwargs: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """Train ``cases`` (see :func:`run_cases`) in one torchrun job of ``nproc`` processes; returns
+    each case's final full weights by name. A failed job is an AssertionError showing its stderr."""
+    import json
+
+    out_dir = Path(out_dir)
+    (out_dir / "cases.json").write_text(json.dumps(cases))
+    result = torchrun(["-m", "engine.testing", str(out_dir / "cases.json"), str(out_dir)], nproc=nproc,
+                      env=env, **torchrun_kwargs)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {case["name"]: torch.load(out_dir / f"{case['name']}.pt", weights_only=True) for case in cases}
+
+
+def max_difference(weights: dict[str, torch.Tensor], model: torch.nn.Module | dict[str, torch.Tensor]) -> float:
+    """The largest absolute difference between ``weights`` and ``model``'s (same names required)."""
+    reference = model if isinstance(model, dict) else model.state_dict()
+    assert sorted(weights) == sorted(reference), (sorted(weights), sorted(reference))
+    return max((weights[name] - value.detach().cpu()).abs().max().item() for name, value in reference.items())
+
+
+TEST_CORPUS = "\n".join(f"record {i}: the quick brown fox {i % 7} jumps over {i % 13} lazy dogs" for i in range(1500))
+
+
+def write_run_file(folder: str | Path, plugins: list[str], sections: dict[str, Any] | None = None,
+                   **train: Any) -> Path:
+    """``folder/run.toml`` for an ``engine train`` of a small Llama on a generated corpus (tokenizer
+    trained on it), output in ``folder/out``, 8 steps, checkpoint every 4; ``train`` overrides keys."""
+    from .config import to_toml
+
+    folder = Path(folder)
+    (folder / "corpus.txt").write_text(TEST_CORPUS)
+    path = folder / "run.toml"
+    path.write_text(to_toml({
+        "plugins": list(plugins),
+        "train": {"model": "tiny-llama", "output_dir": str(folder / "out"), "max_steps": 8,
+                  "per_device_train_batch_size": 4, "learning_rate": 1e-2, "logging_steps": 1, "save_steps": 4,
+                  "disable_tqdm": True, "model_config": {"hidden_size": 32, "intermediate_size": 64}, **train},
+        "data": {"train": str(folder / "corpus.txt"), "max_length": 32, "tokenizer": "train",
+                 "tokenizer_vocab_size": 300},
+        **(sections or {})}))
+    return path
+
+
 def run_cases(cases_file: str | Path, out_dir: str | Path) -> None:
     """Train every case of a JSON list in this (torchrun-launched) job; the main process saves each
     case's full weights to ``out_dir/<name>.pt``. One launch, many cases: the process group is

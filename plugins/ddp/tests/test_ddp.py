@@ -12,8 +12,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.config import to_toml
-from engine.testing import free_port, run_steps, tiny_dataset, tiny_model, torchrun
+from engine.testing import (
+    free_port,
+    launch_cases,
+    max_difference,
+    run_steps,
+    tiny_dataset,
+    tiny_model,
+    torchrun,
+    write_run_file,
+)
 
 HERE = Path(__file__).parent
 # SGD with momentum in fp32: the paths agree to ~1e-8 (the only difference is the order of the sums)
@@ -22,22 +30,14 @@ TOLERANCE = 1e-6
 STEPS = 6
 
 
-def _max_difference(weights, model):
-    return max((weights[name] - value.detach()).abs().max().item() for name, value in model.state_dict().items())
-
-
 def _reference(train, ragged=False):
     """One process with the whole global batch."""
     return run_steps(STEPS, model=tiny_model(seed=0), dataset=tiny_dataset(size=64, ragged=ragged),
                      train={**SGD, **train}).model
 
 
-def _launch_cases(tmp_path, cases, nproc=2, **kwargs):
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    result = torchrun(["-m", "engine.testing", str(tmp_path / "cases.json"), str(tmp_path)], nproc=nproc,
-                      env={"PYTHONPATH": str(HERE)}, **kwargs)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return {case["name"]: torch.load(tmp_path / f"{case['name']}.pt", weights_only=True) for case in cases}
+def _launch_cases(tmp_path, cases):
+    return launch_cases(cases, tmp_path, env={"PYTHONPATH": str(HERE)})
 
 
 def test_two_processes_make_the_updates_of_one_with_twice_the_batch(tmp_path):
@@ -54,8 +54,8 @@ def test_two_processes_make_the_updates_of_one_with_twice_the_batch(tmp_path):
     references = {"ddp": _reference({"per_device_train_batch_size": 8}),
                   "accumulation": _reference({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2}),
                   "ragged": _reference({"per_device_train_batch_size": 8}, ragged=True)}
-    differences = {name: _max_difference(trained[name], model) for name, model in references.items()}
-    differences["unsynced"] = _max_difference(trained["unsynced"], references["ddp"])
+    differences = {name: max_difference(trained[name], model) for name, model in references.items()}
+    differences["unsynced"] = max_difference(trained["unsynced"], references["ddp"])
     print("max |parameter difference| against one process:", differences)
     assert all(differences[name] < TOLERANCE for name in references), differences
     assert differences["unsynced"] > 100 * TOLERANCE  # the check sees unsynchronised gradients
@@ -71,26 +71,14 @@ def test_two_nodes_on_one_machine_train_like_one_process(tmp_path):
         _, err = node.communicate(timeout=300)
         assert node.returncode == 0, err[-3000:]
     weights = torch.load(tmp_path / "ddp.pt", weights_only=True)
-    assert _max_difference(weights, _reference({"per_device_train_batch_size": 8})) < TOLERANCE
+    assert max_difference(weights, _reference({"per_device_train_batch_size": 8})) < TOLERANCE
 
 
 # ---------------------------------------------------------------------------- the command line under torchrun
 
 
-CORPUS = "\n".join(f"record {i}: the quick brown fox {i % 7} jumps over {i % 13} lazy dogs" for i in range(1500))
-
-
-def _run_file(tmp_path, **train):
-    (tmp_path / "corpus.txt").write_text(CORPUS)
-    path = tmp_path / "run.toml"
-    path.write_text(to_toml({
-        "plugins": ["ddp"],
-        "train": {"model": "tiny-llama", "output_dir": str(tmp_path / "out"), "max_steps": 8,
-                  "per_device_train_batch_size": 4, "learning_rate": 1e-2, "logging_steps": 1, "save_steps": 4,
-                  "disable_tqdm": True, "model_config": {"hidden_size": 32, "intermediate_size": 64}, **train},
-        "data": {"train": str(tmp_path / "corpus.txt"), "max_length": 32, "tokenizer": "train",
-                 "tokenizer_vocab_size": 300}}))
-    return path
+def _run_file(folder, **train):
+    return write_run_file(folder, ["ddp"], **train)
 
 
 def _metrics(out):

@@ -1,0 +1,338 @@
+"""``--accelerate-config FILE.yaml``: an Accelerate config file mapped onto the engine's strategies.
+
+Teams keep their distributed settings in the YAML ``accelerate config`` writes. This module
+reads it and maps every key onto the engine: ``distributed_type`` enables the strategy plugin
+(MULTI_GPU / MULTI_CPU -> ``ddp``, FSDP -> ``fsdp``, DEEPSPEED -> ``deepspeed``, NO -> none),
+``fsdp_config`` / ``deepspeed_config`` fill that plugin's section, ``mixed_precision`` and
+``use_cpu`` the ``[train]`` keys. Launcher keys (``num_processes``, ``num_machines``, ...)
+describe the torchrun command, and are checked against the processes actually started. A key
+the engine cannot honour is refused by name; nothing is skipped. ``engine plan`` shows each
+mapping. Values also set by the run file must agree; ``--set`` still overrides both.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import ConfigError
+
+STRATEGY_PLUGINS = {"MULTI_GPU": "ddp", "MULTI_CPU": "ddp", "FSDP": "fsdp", "DEEPSPEED": "deepspeed", "NO": None}
+# Accelerate's FSDP1 sharding strategies by name and by number
+SHARDING = {"FULL_SHARD": 1, "SHARD_GRAD_OP": 2, "NO_SHARD": 3, "HYBRID_SHARD": 4, "HYBRID_SHARD_ZERO2": 5}
+
+
+class Mapping:
+    """The settings an Accelerate config makes: plugins to enable, ``section.key`` values, and why."""
+
+    def __init__(self, source: str):
+        self.source = source
+        self.plugins: list[str] = []
+        self.settings: dict[str, Any] = {}
+        self.lines: list[str] = []
+        self.launcher: dict[str, Any] = {}  # torchrun's settings: shown, and checked against the job
+
+    def set(self, key: str, value: Any, accelerate_key: str, accelerate_value: Any) -> None:
+        self.settings[key] = value
+        self.lines.append(f"{accelerate_key}: {_show(accelerate_value)} -> {key} = {_show(value)}")
+
+    def note(self, accelerate_key: str, value: Any, meaning: str) -> None:
+        self.lines.append(f"{accelerate_key}: {_show(value)} -> {meaning}")
+
+    def refuse(self, accelerate_key: str, value: Any, reason: str) -> ConfigError:
+        return ConfigError(f"--accelerate-config {self.source}: {accelerate_key}: {_show(value)}: {reason}")
+
+
+def _show(value: Any) -> str:
+    return repr(value) if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def read(path: str | Path) -> dict[str, Any]:
+    """The YAML mapping in ``path``; a missing or malformed file is a ConfigError naming it."""
+    import yaml
+
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"--accelerate-config: {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--accelerate-config: cannot read {path}: {exc}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"--accelerate-config: {path} is not valid YAML{where}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--accelerate-config: {path} holds a {type(data).__name__}, expected a mapping of "
+                          "Accelerate settings (as `accelerate config` writes)")
+    return data
+
+
+def map_config(config: dict[str, Any], source: str) -> Mapping:
+    """Map an Accelerate config onto plugins and settings (see the module docstring)."""
+    mapping = Mapping(source)
+    distributed = config.get("distributed_type", "NO")
+    if distributed not in STRATEGY_PLUGINS:
+        raise mapping.refuse("distributed_type", distributed, f"the engine runs {', '.join(STRATEGY_PLUGINS)}")
+    plugin = STRATEGY_PLUGINS[distributed]
+    if plugin:
+        mapping.plugins.append(plugin)
+        mapping.note("distributed_type", distributed, f"plugins += [{plugin!r}]")
+    for key, value in config.items():
+        if key == "distributed_type":
+            continue
+        handler = _TOP_LEVEL.get(key)
+        if handler is None:
+            raise mapping.refuse(key, value, f"not an Accelerate key the engine can map; it maps "
+                                             f"{', '.join(sorted(['distributed_type', *_TOP_LEVEL]))}")
+        handler(mapping, key, value, plugin)
+    _check_processes(mapping, config)
+    return mapping
+
+
+def apply(raw: dict[str, Any], path: str | Path) -> tuple[dict[str, Any], Mapping]:
+    """``raw`` (a run-file mapping) with ``path``'s Accelerate settings added; values the run file
+    sets differently are refused naming both."""
+    import copy
+
+    from .config import enabled_plugins
+
+    mapping = map_config(read(path), str(path))
+    raw = copy.deepcopy(raw)
+    plugins = enabled_plugins(raw)
+    raw["plugins"] = plugins + [name for name in mapping.plugins if name not in plugins]
+    for dotted, value in mapping.settings.items():
+        section, key = dotted.split(".", 1)
+        table = raw.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"[{section}] is a {type(table).__name__} in the run file; expected a table")
+        if key in table and table[key] != value:
+            raise ConfigError(f"{dotted} = {_show(table[key])} in the run file, but --accelerate-config {path} "
+                              f"sets {_show(value)}; remove one")
+        table[key] = value
+    return raw, mapping
+
+
+# ---------------------------------------------------------------------------- keys
+
+
+def _launcher(mapping: Mapping, key: str, value: Any, plugin: str | None) -> None:
+    mapping.launcher[key] = value
+
+
+def _only(*accepted: Any, meaning: str) -> Callable[..., None]:
+    """A key the engine honours only at these values (TPU, SageMaker, ... settings at their defaults)."""
+
+    def handle(mapping: Mapping, key: str, value: Any, plugin: str | None = None) -> None:
+        if value not in accepted:
+            raise mapping.refuse(key, value, f"not supported by the engine (accepted: "
+                                             f"{', '.join(_show(a) for a in accepted)})")
+        mapping.note(key, value, meaning)
+
+    return handle
+
+
+def _mixed_precision(mapping: Mapping, key: str, value: Any, plugin: str | None) -> None:
+    if value not in ("no", "bf16", "fp16"):
+        raise mapping.refuse(key, value, "the engine trains in 'no', 'bf16' or 'fp16'")
+    mapping.set("train.bf16", value == "bf16", key, value)
+    mapping.set("train.fp16", value == "fp16", key, value)
+
+
+def _use_cpu(mapping: Mapping, key: str, value: Any, plugin: str | None) -> None:
+    mapping.set("train.use_cpu", bool(value), key, value)
+
+
+def _fsdp_config(mapping: Mapping, key: str, value: Any, plugin: str | None) -> None:
+    if not value:
+        return
+    if plugin != "fsdp":
+        raise mapping.refuse(key, "{...}", "fsdp_config needs distributed_type: FSDP")
+    for name, setting in value.items():
+        handler = _FSDP.get(name)
+        if handler is None:
+            raise mapping.refuse(f"fsdp_config.{name}", setting, f"not an FSDP setting the engine can map; it maps "
+                                                                 f"{', '.join(sorted(_FSDP))}")
+        handler(mapping, f"fsdp_config.{name}", setting)
+
+
+def _deepspeed_config(mapping: Mapping, key: str, value: Any, plugin: str | None) -> None:
+    if not value:
+        return
+    if plugin != "deepspeed":
+        raise mapping.refuse(key, "{...}", "deepspeed_config needs distributed_type: DEEPSPEED")
+    for name, setting in value.items():
+        handler = _DEEPSPEED.get(name)
+        if handler is None:
+            raise mapping.refuse(f"deepspeed_config.{name}", setting, f"not a DeepSpeed setting the engine can "
+                                                                      f"map; it maps {', '.join(sorted(_DEEPSPEED))}")
+        handler(mapping, f"deepspeed_config.{name}", setting)
+
+
+def _check_processes(mapping: Mapping, config: dict[str, Any]) -> None:
+    if mapping.launcher:
+        settings = ", ".join(f"{key}: {_show(value)}" for key, value in mapping.launcher.items())
+        mapping.lines.append(f"{settings} -> the launcher's settings (num_processes checked against WORLD_SIZE)")
+    processes, machines = config.get("num_processes"), config.get("num_machines", 1)
+    if processes is None:
+        return
+    if not isinstance(processes, int) or not isinstance(machines, int) or processes < 1 or machines < 1 \
+            or processes % machines:
+        raise mapping.refuse("num_processes", processes, f"expected a positive multiple of num_machines ({machines})")
+    started = os.environ.get("WORLD_SIZE")
+    if started is not None and started.isdigit() and int(started) != processes:
+        raise mapping.refuse("num_processes", processes, f"the launcher started {started} processes; launch "
+                                                         f"{processes} or change the file")
+    per_node = processes // machines
+    nodes = f"--nnodes {machines} --node-rank <0..{machines - 1}> --rdzv-backend c10d --rdzv-endpoint HOST:PORT " \
+        if machines > 1 else ""
+    mapping.lines.append(f"launch with: torchrun {nodes}--nproc-per-node {per_node} -m engine train ...")
+
+
+_TOP_LEVEL: dict[str, Callable[..., None]] = {
+    **{key: _launcher for key in ("num_processes", "num_machines", "machine_rank", "main_process_ip",
+                                  "main_process_port", "rdzv_backend", "same_network", "gpu_ids",
+                                  "main_training_function", "enable_cpu_affinity")},
+    "compute_environment": _only("LOCAL_MACHINE", meaning="local processes (torchrun)"),
+    "debug": _only(False, meaning="no Accelerate debug checks"),
+    "downcast_bf16": _only("no", False, meaning="no TPU downcasting"),
+    "tpu_env": _only([], meaning="no TPU"),
+    "tpu_use_cluster": _only(False, meaning="no TPU"),
+    "tpu_use_sudo": _only(False, meaning="no TPU"),
+    "dynamo_config": _only({}, None, meaning="no torch.compile"),
+    "mixed_precision": _mixed_precision,
+    "use_cpu": _use_cpu,
+    "fsdp_config": _fsdp_config,
+    "deepspeed_config": _deepspeed_config,
+}
+
+
+def _section_key(key: str, convert: Callable[[Mapping, str, Any], Any]) -> Callable[..., None]:
+    def handle(mapping: Mapping, accelerate_key: str, value: Any) -> None:
+        mapping.set(key, convert(mapping, accelerate_key, value), accelerate_key, value)
+
+    return handle
+
+
+def _boolean(mapping: Mapping, key: str, value: Any) -> bool:
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if not isinstance(value, bool):
+        raise mapping.refuse(key, value, "expected true or false")
+    return value
+
+
+def _fsdp_wrap(mapping: Mapping, key: str, value: Any) -> None:
+    if value == "TRANSFORMER_BASED_WRAP":
+        mapping.note(key, value, "each transformer block sharded (fsdp.wrap_modules, default: the model's "
+                                 "_no_split_modules)")
+        return
+    raise mapping.refuse(key, value, "the engine shards transformer blocks (TRANSFORMER_BASED_WRAP); set "
+                                     "fsdp_transformer_layer_cls_to_wrap to name them")
+
+
+def _fsdp_sharding(mapping: Mapping, key: str, value: Any) -> None:
+    number = SHARDING.get(value, value)
+    if number == 1:
+        mapping.set("fsdp.reshard_after_forward", True, key, value)
+    elif number == 2:
+        mapping.set("fsdp.reshard_after_forward", False, key, value)
+    elif number == 4:
+        mapping.set("fsdp.sharding", "hybrid", key, value)
+    elif number == 3:
+        raise mapping.refuse(key, value, "NO_SHARD is data parallelism: use distributed_type: MULTI_GPU (ddp)")
+    else:
+        raise mapping.refuse(key, value, "the engine maps FULL_SHARD (1), SHARD_GRAD_OP (2) and HYBRID_SHARD (4)")
+
+
+def _fsdp_state_dict(mapping: Mapping, key: str, value: Any) -> None:
+    types = {"FULL_STATE_DICT": "full", "SHARDED_STATE_DICT": "sharded"}
+    if value not in types:
+        raise mapping.refuse(key, value, "the engine saves FULL_STATE_DICT or SHARDED_STATE_DICT")
+    mapping.set("fsdp.state_dict_type", types[value], key, value)
+
+
+def _fsdp_layers(mapping: Mapping, key: str, value: Any) -> list[str]:
+    names = value.split(",") if isinstance(value, str) else value
+    if not isinstance(names, list) or not all(isinstance(n, str) and n.strip() for n in names):
+        raise mapping.refuse(key, value, "expected class names, e.g. 'LlamaDecoderLayer' or 'BertLayer,BertEmbeddings'")
+    return [n.strip() for n in names]
+
+
+def _fsdp_prefetch(mapping: Mapping, key: str, value: Any) -> None:
+    if value not in ("BACKWARD_PRE", None):
+        raise mapping.refuse(key, value, "FSDP2 prefetches the next block before each block's backward "
+                                         "(BACKWARD_PRE) and has no other policy")
+    mapping.note(key, value, "FSDP2's own backward prefetch")
+
+
+def _fsdp_version(mapping: Mapping, key: str, value: Any) -> None:
+    if value not in (1, 2):
+        raise mapping.refuse(key, value, "expected 1 or 2")
+    mapping.note(key, value, "FSDP2 (fully_shard) with the same sharding" + (" (FSDP1 settings mapped)" if value == 1
+                                                                               else ""))
+
+
+_FSDP: dict[str, Callable[..., None]] = {
+    "fsdp_auto_wrap_policy": _fsdp_wrap,
+    "fsdp_transformer_layer_cls_to_wrap": _section_key("fsdp.wrap_modules", _fsdp_layers),
+    "fsdp_sharding_strategy": _fsdp_sharding,
+    "fsdp_reshard_after_forward": _section_key("fsdp.reshard_after_forward", _boolean),
+    "fsdp_offload_params": _section_key("fsdp.cpu_offload", _boolean),
+    "fsdp_state_dict_type": _fsdp_state_dict,
+    "fsdp_backward_prefetch_policy": _fsdp_prefetch,
+    "fsdp_backward_prefetch": _fsdp_prefetch,
+    "fsdp_forward_prefetch": _only(False, meaning="no forward prefetch (FSDP2's default)"),
+    "fsdp_use_orig_params": _only(True, False, meaning="FSDP2 always keeps the original parameters"),
+    "fsdp_sync_module_states": _only(True, False, meaning=(
+        "every process builds the same weights (same checkpoint or seed); nothing to broadcast")),
+    "fsdp_cpu_ram_efficient_loading": _only(True, False, meaning=(
+        "every process loads the model itself (not only rank 0): more host memory at start")),
+    "fsdp_version": _fsdp_version,
+    "fsdp_activation_checkpointing": _only(False, meaning="no activation checkpointing"),
+}
+
+
+def _zero_stage(mapping: Mapping, key: str, value: Any) -> int:
+    if value not in (0, 1, 2, 3):
+        raise mapping.refuse(key, value, "expected 0, 1, 2 or 3")
+    return value
+
+
+def _offload_device(mapping: Mapping, key: str, value: Any) -> str:
+    if value not in ("none", "cpu", None):
+        raise mapping.refuse(key, value, "the engine offloads to 'cpu' or 'none' (nvme is not supported)")
+    return value or "none"
+
+
+def _config_file(mapping: Mapping, key: str, value: Any) -> str:
+    if not isinstance(value, str) or not Path(value).is_file():
+        raise mapping.refuse(key, value, "expected the path of a DeepSpeed JSON file that exists")
+    return value
+
+
+def _same_as_train(train_key: str) -> Callable[..., None]:
+    """A DeepSpeed value that the engine takes from [train] (both must agree, so it sets it)."""
+
+    def handle(mapping: Mapping, key: str, value: Any) -> None:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise mapping.refuse(key, value, "expected a number")
+        mapping.set(f"train.{train_key}", value, key, value)
+
+    return handle
+
+
+_DEEPSPEED: dict[str, Callable[..., None]] = {
+    "deepspeed_config_file": _section_key("deepspeed.config", _config_file),
+    "zero_stage": _section_key("deepspeed.zero_stage", _zero_stage),
+    "offload_optimizer_device": _section_key("deepspeed.offload_optimizer", _offload_device),
+    "offload_param_device": _section_key("deepspeed.offload_param", _offload_device),
+    "zero3_init_flag": _section_key("deepspeed.zero3_init", _boolean),
+    "zero3_save_16bit_model": lambda mapping, key, value: mapping.note(
+        key, value, "the final model is always consolidated to full HF weights"),
+    "gradient_accumulation_steps": _same_as_train("gradient_accumulation_steps"),
+    "gradient_clipping": _same_as_train("max_grad_norm"),
+    "deepspeed_multinode_launcher": lambda mapping, key, value: mapping.note(
+        key, value, "launcher setting (torchrun or the deepspeed launcher)"),
+}
