@@ -88,6 +88,21 @@ class TrainConfig:
     bf16: bool = option(False, help="bfloat16 autocast (CPU or GPU)")
     fp16: bool = option(False, help="float16 autocast with loss scaling (GPU only)")
     use_cpu: bool = option(False, help="train on the CPU even when a GPU is present")
+    activation_checkpointing: bool = option(False, help=(
+        "recompute each block's activations in backward instead of keeping them (less memory, ~30 % "
+        "more compute): HF models through activation_checkpointing_enable, any other module on its blocks"))
+    activation_checkpointing_kwargs: dict[str, Any] | None = option(None, help=(
+        "for activation checkpointing: every_n_layers, offload (HF models) and torch.utils.checkpoint "
+        "arguments (default use_reentrant = false)"))
+    gradient_checkpointing: bool | None = option(None, help=(
+        "TrainingArguments' older name of activation_checkpointing"))
+    gradient_checkpointing_kwargs: dict[str, Any] | None = option(None, help=(
+        "TrainingArguments' older name of activation_checkpointing_kwargs"))
+    torch_compile: bool = option(False, help="compile the model with torch.compile (its forward; backward follows)")
+    torch_compile_backend: str | None = option(None, nonempty=True, help=(
+        "torch.compile backend (inductor, aot_eager, ...); setting it turns torch_compile on"))
+    torch_compile_mode: str | None = option(None, nonempty=True, help=(
+        "torch.compile mode (default, reduce-overhead, max-autotune, ...); setting it turns torch_compile on"))
     strategy: str = option("auto", help=(
         "distributed strategy name; 'auto' takes the one an enabled plugin provides, else 'single'"))
     logging_steps: int = option(10, min=1, help="log metrics every N optimizer steps")

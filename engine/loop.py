@@ -105,6 +105,7 @@ def train(run: Run) -> dict[str, float]:
         status = "interrupted"
         raise
     finally:
+        run.remove_patches()  # also when setup or the resume failed after patch_model
         claim.finish(status, run.isolated_hooks.failed)
 
 
@@ -247,9 +248,7 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
         status = "success"
         return summary
     finally:
-        for undo in reversed(run.undo_patches):
-            undo()
-        run.undo_patches = []
+        run.remove_patches()
         if main:
             run.isolated_hooks.call("log_finish", status=status)
             run.isolated_hooks.report()

@@ -40,6 +40,7 @@ BUILTIN_PLUGINS = (
     "engine.builtin.schedulers",
     "engine.builtin.strategies",
     "engine.builtin.steps",
+    "engine.builtin.patches",
     "engine.builtin.console:Console",
     "engine.builtin.jsonl:JsonlLogger",
 )

@@ -234,13 +234,26 @@ class Run:
                               f"{vocab_size}; set data.tokenizer to the model's tokenizer or pass tokenizer=")
 
         self.undo_patches = [undo for undo in self.hook.patch_model(run=self, model=self.model) if undo]
+        try:
+            self._prepare()
+        except BaseException:
+            self.remove_patches()
+            raise
+        self.is_setup = True
+
+    def _prepare(self) -> None:
+        """Wrap the patched model, make the train loader, optimizer and scheduler."""
         self.wrapped_model = self.strategy.prepare_model(self.model)
         self.train_loader = self._train_loader()
         self.num_training_steps = self._count_training_steps()
         optimizer = self.hook.create_optimizer(run=self)
         self.optimizer = self.strategy.prepare_optimizer(optimizer)
         self.scheduler = self.hook.create_scheduler(run=self, optimizer=self.optimizer)
-        self.is_setup = True
+
+    def remove_patches(self) -> None:
+        """Undo what ``patch_model`` did, newest first (idempotent): the model is left as it was built."""
+        while self.undo_patches:
+            self.undo_patches.pop()()
 
     def _check_model(self, key: str) -> None:
         """The model fits the data (positions) and, with the default loss, takes ``model(**batch)``."""
@@ -349,6 +362,18 @@ def _resolve_defaults(train: cfg.TrainConfig) -> None:
         train.metric_for_best_model = "loss"
     if train.metric_for_best_model is not None and train.greater_is_better is None:
         train.greater_is_better = not train.metric_for_best_model.endswith("loss")
+    for old, new in (("gradient_checkpointing", "activation_checkpointing"),
+                     ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
+        value, current = getattr(train, old), getattr(train, new)
+        if value is None:
+            continue
+        if current not in (None, False) and current != value:
+            raise ConfigError(f"train.{old} = {value!r} and train.{new} = {current!r} disagree; "
+                              f"{old} is TrainingArguments' older name of {new}: set one")
+        setattr(train, new, value)
+        setattr(train, old, None)
+    if train.torch_compile_backend or train.torch_compile_mode:
+        train.torch_compile = True
 
 
 def _check_values(train: cfg.TrainConfig) -> None:
