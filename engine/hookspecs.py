@@ -330,6 +330,23 @@ def on_epoch_end(run: Run) -> None:
 
 
 @hookspec
+def on_prediction_step(run: Run, step: int, total: int | None) -> None:
+    """One batch of an evaluation or prediction pass is done.
+
+    **When**: after each eval/predict batch's forward, on every process; ``step`` counts this
+    pass's batches from 1, ``total`` is its number of batches (None for an iterable dataset).
+    **Combine**: broadcast. The console draws its evaluation bar from it.
+
+    Example::
+
+        @hookimpl
+        def on_prediction_step(run, step, total):
+            if step == total:
+                print(f"evaluated {total} batches")
+    """
+
+
+@hookspec
 def on_evaluate(run: Run, metrics: dict[str, float]) -> None:
     """Evaluation finished with ``metrics`` (keys prefixed ``eval_``).
 

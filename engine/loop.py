@@ -428,7 +428,8 @@ def _evaluate_one(run: Run, dataset: Any, prefix: str, want_predictions: bool) -
                                          sampler=sampler, collate_fn=run.data_collator,
                                          num_workers=train_cfg.dataloader_num_workers,
                                          generator=torch.Generator().manual_seed(train_cfg.seed))
-    compute_loss = run.hook.compute_loss
+    compute_loss, on_prediction_step = run.hook.compute_loss, run.hook.on_prediction_step
+    total = len(loader) if sampler is not None else None
     use_metrics = run.compute_metrics is not None and not train_cfg.prediction_loss_only
     collect = use_metrics or (want_predictions and not train_cfg.prediction_loss_only)
     outputs: list[Any] = []
@@ -440,7 +441,7 @@ def _evaluate_one(run: Run, dataset: Any, prefix: str, want_predictions: bool) -
     started = time.perf_counter()
     try:
         with torch.no_grad():
-            for batch in loader:
+            for index, batch in enumerate(loader, 1):
                 batch = strategy.to_device(batch)
                 rows = len(next(iter(batch.values())))
                 if sampler is not None and strategy.world_size > 1 and "labels" in batch:
@@ -463,6 +464,7 @@ def _evaluate_one(run: Run, dataset: Any, prefix: str, want_predictions: bool) -
                     predictions.append(logits_of(outputs[-1]).detach().float().cpu())
                     if "labels" in batch:
                         label_ids.append(batch["labels"].cpu())
+                on_prediction_step(run=run, step=index, total=total)
     finally:
         if handle is not None:
             handle.remove()
