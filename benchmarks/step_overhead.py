@@ -37,6 +37,7 @@ Run::
     .venv/bin/python benchmarks/step_overhead.py                  # ~1.5 minutes on 2 idle CPU cores
     .venv/bin/python benchmarks/step_overhead.py --rounds 5 --steps 60 --threads 1
     .venv/bin/python benchmarks/step_overhead.py --only plain,engine
+    .venv/bin/python benchmarks/step_overhead.py --bar            # in a terminal: the progress bars on
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ def run_engine(model, dataset, collator, args, output_dir) -> Result:
             "learning_rate": LEARNING_RATE, "weight_decay": 0.0, "max_grad_norm": MAX_GRAD_NORM,
             "lr_scheduler_type": "linear", "warmup_steps": 0, "optim": "adamw_torch", "seed": SEED,
             "logging_steps": args.steps, "save_strategy": "no", "eval_strategy": "no",
-            "disable_tqdm": True, "use_cpu": True, "dataloader_num_workers": 0,
+            "disable_tqdm": not args.bar, "use_cpu": True, "dataloader_num_workers": 0,
         }},
         model=model, train_dataset=dataset, data_collator=collator, plugins=[StepClock(result.stamps)])
     summary = run.train()
@@ -179,7 +180,7 @@ def run_trainer(model, dataset, collator, args, output_dir) -> Result:
         learning_rate=LEARNING_RATE, weight_decay=0.0, max_grad_norm=MAX_GRAD_NORM,
         lr_scheduler_type="linear", warmup_steps=0, optim="adamw_torch",  # its default is the fused AdamW
         seed=SEED, logging_strategy="no", save_strategy="no", eval_strategy="no", report_to="none",
-        disable_tqdm=True, use_cpu=True, dataloader_num_workers=0, dataloader_pin_memory=False)
+        disable_tqdm=not args.bar, use_cpu=True, dataloader_num_workers=0, dataloader_pin_memory=False)
     trainer = transformers.Trainer(model=model, args=training_args, train_dataset=dataset, callbacks=[Clock()])
     trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # it prints the final metrics
     output = trainer.train()
@@ -206,6 +207,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="torch.set_num_threads for all contenders (default: torch's default)")
     parser.add_argument("--only", default=",".join(CONTENDERS), help="comma-separated subset of plain,engine,trainer")
+    parser.add_argument("--bar", action="store_true", help=(
+        "engine and Trainer draw their progress bars (run it in a terminal: bars are drawn only on a tty)"))
     args = parser.parse_args()
     names = [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = set(names) - set(CONTENDERS)
