@@ -161,6 +161,25 @@ def torchrun(args: list[str], nproc: int = 2, *, nnodes: int = 1, node_rank: int
     return subprocess.run(command, env=environment, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
+def launch_cases(cases: list[dict[str, Any]], out_dir: str | Path, nproc: int = 2,
+                 env: dict[str, str] | None = None, timeout: float = 600) -> dict[str, dict[str, torch.Tensor]]:
+    """Train ``cases`` (see :func:`run_cases`) in one torchrun launch of ``nproc`` processes; returns
+    each case's full weights by name. A launch that fails raises AssertionError with its stderr's end."""
+    import json
+
+    out_dir = Path(out_dir)
+    (out_dir / "cases.json").write_text(json.dumps(cases))
+    result = torchrun(["-m", "engine.testing", str(out_dir / "cases.json"), str(out_dir)], nproc=nproc,
+                      env=env, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {case["name"]: torch.load(out_dir / f"{case['name']}.pt", weights_only=True) for case in cases}
+
+
+def max_parameter_difference(weights: dict[str, torch.Tensor], model: torch.nn.Module) -> float:
+    """The largest absolute difference between ``weights`` and ``model``'s state dict."""
+    return max((weights[name] - value.detach().cpu()).abs().max().item() for name, value in model.state_dict().items())
+
+
 def run_cases(cases_file: str | Path, out_dir: str | Path) -> None:
     """Train every case of a JSON list in this (torchrun-launched) job; the main process saves each
     case's full weights to ``out_dir/<name>.pt``. One launch, many cases: the process group is

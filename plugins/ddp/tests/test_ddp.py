@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from engine.config import to_toml
-from engine.testing import free_port, run_steps, tiny_dataset, tiny_model, torchrun
+from engine.testing import (free_port, launch_cases, max_parameter_difference, run_steps, tiny_dataset, tiny_model,
+                            torchrun)
 
 HERE = Path(__file__).parent
 # SGD with momentum in fp32: the paths agree to ~1e-8 (the only difference is the order of the sums)
@@ -22,22 +23,10 @@ TOLERANCE = 1e-6
 STEPS = 6
 
 
-def _max_difference(weights, model):
-    return max((weights[name] - value.detach()).abs().max().item() for name, value in model.state_dict().items())
-
-
 def _reference(train, ragged=False):
     """One process with the whole global batch."""
     return run_steps(STEPS, model=tiny_model(seed=0), dataset=tiny_dataset(size=64, ragged=ragged),
                      train={**SGD, **train}).model
-
-
-def _launch_cases(tmp_path, cases, nproc=2, **kwargs):
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    result = torchrun(["-m", "engine.testing", str(tmp_path / "cases.json"), str(tmp_path)], nproc=nproc,
-                      env={"PYTHONPATH": str(HERE)}, **kwargs)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return {case["name"]: torch.load(tmp_path / f"{case['name']}.pt", weights_only=True) for case in cases}
 
 
 def test_two_processes_make_the_updates_of_one_with_twice_the_batch(tmp_path):
@@ -50,12 +39,12 @@ def test_two_processes_make_the_updates_of_one_with_twice_the_batch(tmp_path):
         {"name": "unsynced", "steps": STEPS, "plugins": ["ddp"], "objects": ["unsynced:plugin"],
          "train": {**SGD, "per_device_train_batch_size": 4, "strategy": "unsynced"}},
     ]
-    trained = _launch_cases(tmp_path, cases)
+    trained = launch_cases(cases, tmp_path, env={"PYTHONPATH": str(HERE)})
     references = {"ddp": _reference({"per_device_train_batch_size": 8}),
                   "accumulation": _reference({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2}),
                   "ragged": _reference({"per_device_train_batch_size": 8}, ragged=True)}
-    differences = {name: _max_difference(trained[name], model) for name, model in references.items()}
-    differences["unsynced"] = _max_difference(trained["unsynced"], references["ddp"])
+    differences = {name: max_parameter_difference(trained[name], model) for name, model in references.items()}
+    differences["unsynced"] = max_parameter_difference(trained["unsynced"], references["ddp"])
     print("max |parameter difference| against one process:", differences)
     assert all(differences[name] < TOLERANCE for name in references), differences
     assert differences["unsynced"] > 100 * TOLERANCE  # the check sees unsynchronised gradients
@@ -71,7 +60,7 @@ def test_two_nodes_on_one_machine_train_like_one_process(tmp_path):
         _, err = node.communicate(timeout=300)
         assert node.returncode == 0, err[-3000:]
     weights = torch.load(tmp_path / "ddp.pt", weights_only=True)
-    assert _max_difference(weights, _reference({"per_device_train_batch_size": 8})) < TOLERANCE
+    assert max_parameter_difference(weights, _reference({"per_device_train_batch_size": 8})) < TOLERANCE
 
 
 # ---------------------------------------------------------------------------- the command line under torchrun
