@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -67,6 +68,9 @@ def _world_size() -> int:
 def _quiet_deepspeed() -> None:
     # DeepSpeed logs its whole config and per-step notes at INFO; the engine logs progress itself
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    # torch's deprecation of the collectives DeepSpeed calls, once per call site and process
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated")
 
 
 class DeepSpeedStrategy(DistributedStrategy):
@@ -90,8 +94,14 @@ class DeepSpeedStrategy(DistributedStrategy):
         return self.stage == 0  # ZeRO 1-3 checkpoints hold one optimizer partition per process
 
     def setup(self) -> None:
-        super().setup()  # deepspeed.initialize then uses this process group (and its timeout)
+        super().setup()
         _quiet_deepspeed()
+        import deepspeed
+
+        # DeepSpeed's communication layer wraps the group that now exists (and its timeout);
+        # zero.Init reads the world size from it before deepspeed.initialize runs
+        deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo",
+                                   timeout=self.timeout, verbose=False)
 
     def teardown(self) -> None:
         if self._hf_config is not None:
