@@ -37,6 +37,9 @@ def test_zero_stages_in_two_processes_make_the_updates_of_one_with_twice_the_bat
     accumulated = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "max_grad_norm": 1.0}
     cases = [_case(f"zero{stage}", stage, whole) for stage in (0, 1, 2, 3)]
     cases += [_case("zero2_accumulation", 2, accumulated), _case("zero3_accumulation", 3, accumulated),
+              # the DeepSpeed config names the optimizer: DeepSpeed builds it, the engine's scheduler drives it
+              {**_case("ds_optimizer", 2, whole), "sections": {"deepspeed": {"zero_stage": 2, "config": {
+                  "optimizer": {"type": "SGD", "params": {"lr": "auto", "momentum": 0.9}}}}}},
               # negative controls: gradients never synchronised (DDP's control), divided by the window twice
               {**_case("unsynced", 0, {**whole, "strategy": "unsynced"}), "plugins": ["ddp"], "sections": {},
                "objects": ["unsynced:plugin"]},
@@ -107,3 +110,100 @@ def test_a_checkpoint_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path, s
     for name, tensor in _weights(tmp_path / "resumed" / "out").items():
         assert torch.equal(tensor, expected[name]), name
     assert _losses(tmp_path / "resumed" / "out") == _losses(out)[4:]
+
+
+def test_zero3_best_and_final_models_are_whole_and_load_with_from_pretrained(tmp_path):
+    import transformers
+
+    # greater_is_better on a loss: the first evaluation is the best, far from the last weights
+    run_file = _run_file(tmp_path, 3, eval_strategy="steps", eval_steps=2, save_steps=2, load_best_model_at_end=True,
+                         metric_for_best_model="eval_loss", greater_is_better=True)
+    result = _train(run_file)
+    out = tmp_path / "out"
+    assert "loaded the best model from" in result.stderr
+    best = json.loads((out / "checkpoint-8" / "trainer_state.json").read_text())["best_model_checkpoint"]
+    assert Path(best).name == "checkpoint-2"
+    final, best_weights, last = _weights(out), _weights(Path(best)), _weights(out / "checkpoint-8")
+    assert all(torch.equal(final[name], best_weights[name]) for name in final)
+    assert not all(torch.equal(final[name], last[name]) for name in final)  # the best really was loaded
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    config = model.config
+    assert (config.hidden_size, config.intermediate_size) == (32, 64)
+    for name, tensor in model.state_dict().items():  # whole tensors, not ZeRO-3's empty partitions
+        assert tensor.numel() > 0 and torch.equal(tensor, final[name]), name
+    ids = torch.arange(10).unsqueeze(0)
+    assert torch.isfinite(model(input_ids=ids).logits).all()
+
+
+# ---------------------------------------------------------------------------- refused at configure
+
+
+def _configure(tmp_path, deepspeed=None, plugins=("deepspeed",), **train):
+    from engine import Run
+
+    return Run({"plugins": list(plugins), "train": {"output_dir": str(tmp_path), **train},
+                "deepspeed": deepspeed or {}})
+
+
+@pytest.mark.parametrize("deepspeed, train, message", [
+    ({"config": {"train_batch_size": 16}}, {"per_device_train_batch_size": 4},
+     'deepspeed.config: train_batch_size = 16 contradicts the run\'s global batch (per_device_train_batch_size x '
+     'gradient_accumulation_steps x 1 processes) = 4; set it to "auto"'),
+    ({"config": {"gradient_clipping": 1.0}}, {"max_grad_norm": 0.0},
+     "gradient_clipping = 1.0 contradicts the run's train.max_grad_norm = 0.0"),
+    ({"config": {"zero_optimization": {"stage": 3}}, "zero_stage": 2}, {},
+     "zero_optimization.stage = 3 contradicts the run's deepspeed.zero_stage = 2"),
+    ({"config": {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}}, {"learning_rate": 1e-4},
+     "optimizer.params.lr = 0.001 contradicts the run's train.learning_rate = 0.0001"),
+    ({"config": {"scheduler": {"type": "WarmupLR"}}}, {},
+     "deepspeed.config: scheduler: the engine's scheduler drives the learning rate"),
+    ({"zero_stage": 2, "offload_param": "cpu"}, {},
+     "deepspeed.offload_param: offloading params needs ZeRO stage 3 (zero_optimization.stage = 2)"),
+    ({"config": "missing.json"}, {}, "deepspeed.config: missing.json is not a file"),
+    ({}, {"on_nonfinite": "skip"}, "train.on_nonfinite = 'skip': DeepSpeed measures the gradient norm inside"),
+])
+def test_contradictions_between_the_deepspeed_config_and_the_run_are_refused_by_key(tmp_path, deepspeed, train,
+                                                                                     message):
+    from engine import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        _configure(tmp_path, deepspeed, **train)
+    assert message in str(refused.value)
+
+
+def test_auto_values_are_filled_from_the_run(tmp_path, monkeypatch):
+    from engine_deepspeed import dsconfig
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    run = _configure(tmp_path, {"config": {"train_batch_size": "auto", "gradient_clipping": "auto",
+                                           "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto"}}},
+                                "offload_optimizer": "cpu"},
+                     per_device_train_batch_size=3, gradient_accumulation_steps=2, max_grad_norm=0.5,
+                     learning_rate=3e-4, adam_beta2=0.95)
+    config = dsconfig.resolve(run, 4)
+    assert (config["train_batch_size"], config["train_micro_batch_size_per_gpu"],
+            config["gradient_accumulation_steps"], config["gradient_clipping"]) == (24, 3, 2, 0.5)
+    assert config["optimizer"]["params"] == {"lr": 3e-4, "betas": [0.9, 0.95]}
+    assert config["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+
+
+@pytest.mark.parametrize("plugins, train", [
+    (("deepspeed", "galore"), {"optim": "galore_adamw_layerwise", "optim_target_modules": "all-linear",
+                               "max_grad_norm": 0.0}),
+    (("deepspeed", "lomo"), {"optim": "lomo"}),
+])
+def test_layerwise_optimizers_and_lomo_are_refused_with_deepspeed(tmp_path, plugins, train):
+    from engine import ConfigError
+
+    with pytest.raises(ConfigError, match=r"train\.strategy: .*(single process only|one device only).*deepspeed"):
+        _configure(tmp_path, plugins=plugins, **train)
+
+
+def test_bad_deepspeed_config_is_reported_once_before_anything_loads(tmp_path):
+    run_file = _run_file(tmp_path, 2, deepspeed={"config": {"train_micro_batch_size_per_gpu": 2}})
+    result = torchrun(["-m", "engine", "train", str(run_file)], env=ENV)
+    assert result.returncode != 0
+    assert result.stderr.count("engine: error: deepspeed.config: train_micro_batch_size_per_gpu = 2 contradicts "
+                               "the run's train.per_device_train_batch_size = 4") == 1
+    assert not (tmp_path / "out").exists()
