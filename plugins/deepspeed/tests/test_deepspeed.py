@@ -37,6 +37,8 @@ def test_zero_stages_in_two_processes_make_the_updates_of_one_with_twice_the_bat
     accumulated = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "max_grad_norm": 1.0}
     cases = [_case(f"zero{stage}", stage, whole) for stage in (0, 1, 2, 3)]
     cases += [_case("zero2_accumulation", 2, accumulated), _case("zero3_accumulation", 3, accumulated),
+              {**_case("zero3_offload", 3, whole), "sections": {"deepspeed": {
+                  "zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}}},
               # the DeepSpeed config names the optimizer: DeepSpeed builds it, the engine's scheduler drives it
               {**_case("ds_optimizer", 2, whole), "sections": {"deepspeed": {"zero_stage": 2, "config": {
                   "optimizer": {"type": "SGD", "params": {"lr": "auto", "momentum": 0.9}}}}}},
