@@ -10,7 +10,8 @@ import torch
 
 from safetensors.torch import load_file
 
-from engine.testing import launch_cases, max_parameter_difference, run_steps, tiny_dataset, tiny_model, torchrun
+from engine.testing import (free_port, launch_cases, max_parameter_difference, run_steps, tiny_dataset, tiny_model,
+                            torchrun)
 
 HERE = Path(__file__).parent
 # SGD with momentum in fp32: the paths agree to ~1e-8 (the only difference is the order of the sums)
@@ -97,8 +98,21 @@ def _losses(out):
     return [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_a_checkpoint_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path, stage):
+def _deepspeed_launcher(run_file, *sets):
+    """``deepspeed --module engine train`` (the DeepSpeed launcher, 2 processes on this machine)."""
+    import os
+    import subprocess
+
+    command = [str(Path(sys.prefix) / "bin" / "deepspeed"), "--no_local_rank", "--num_gpus", "2", "--master_port",
+               str(free_port()), "--module", "engine", "train", str(run_file), *(f"--set={s}" for s in sets)]
+    result = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1", **ENV}, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.parametrize("stage, launcher", [(1, _deepspeed_launcher), (3, _train)])
+def test_a_checkpoint_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path, stage, launcher):
     straight = _run_file(tmp_path / "straight", stage)
     _train(straight)
     out = tmp_path / "straight" / "out"
@@ -106,12 +120,20 @@ def test_a_checkpoint_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path, s
     partitions = {f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" for rank in (0, 1)}  # one per process
     assert partitions <= written, written
     resumed = _run_file(tmp_path / "resumed", stage)
-    result = _train(resumed, f'train.resume_from_checkpoint="{out / "checkpoint-4"}"')
+    checkpoint = f'train.resume_from_checkpoint="{out / "checkpoint-4"}"'
+    result = launcher(resumed, checkpoint)  # ZeRO-1: resumed under the deepspeed launcher
     assert result.stderr.count("engine: resumed from") == 1
     expected = _weights(out)
     for name, tensor in _weights(tmp_path / "resumed" / "out").items():
         assert torch.equal(tensor, expected[name]), name
     assert _losses(tmp_path / "resumed" / "out") == _losses(out)[4:]
+
+    # one optimizer partition per process: another number of processes cannot resume it
+    other = torchrun(["-m", "engine", "train", str(resumed), f"--set={checkpoint}", "--set=train.output_dir="
+                      f'"{tmp_path / "single"}"', "--set=train.per_device_train_batch_size=8"], nproc=1, env=ENV)
+    assert other.returncode != 0
+    assert ("was made by 2 processes (deepspeed), this run has 1 (deepspeed), which cannot resume it; "
+            "launch 2 processes") in other.stderr
 
 
 def test_zero3_best_and_final_models_are_whole_and_load_with_from_pretrained(tmp_path):
