@@ -144,6 +144,17 @@ def test_a_checkpoint_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path, s
     assert ("was made by 2 processes (deepspeed), this run has 1 (deepspeed), which cannot resume it; "
             "launch 2 processes") in other.stderr
 
+    # DeepSpeed's files are in the checkpoint's manifest: a changed byte is refused before anything loads
+    partition = out / "checkpoint-8" / "deepspeed" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    data = bytearray(partition.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    partition.write_bytes(bytes(data))
+    damaged = torchrun(["-m", "engine", "train", str(straight), "--set=train.resume_from_checkpoint=true",
+                        "--set=train.max_steps=10"], env=ENV)
+    assert damaged.returncode != 0
+    assert damaged.stderr.count("deepspeed/zero_pp_rank_1_mp_rank_00_optim_states.pt does not match its "
+                                "checksum") == 1
+
 
 def test_zero3_best_and_final_models_are_whole_and_load_with_from_pretrained(tmp_path):
     import transformers
