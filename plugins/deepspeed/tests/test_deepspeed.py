@@ -125,6 +125,8 @@ def test_a_checkpoint_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path, s
     straight = _run_file(tmp_path / "straight", stage)
     _train(straight)
     out = tmp_path / "straight" / "out"
+    logged = [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert logged == list(range(1, 9))  # by the main process only
     written = {p.name for p in (out / "checkpoint-4" / "deepspeed").iterdir()}
     partitions = {f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" for rank in (0, 1)}  # one per process
     assert partitions <= written, written
