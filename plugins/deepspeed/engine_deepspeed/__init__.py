@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 import torch
 
-from engine import ConfigError, hookimpl, option
+from engine import ConfigError, MissingDependencyError, hookimpl, option
 from engine.strategy import DistributedStrategy, strategy_name
 
 from . import dsconfig
@@ -247,6 +247,11 @@ def plugin_options():
 def configure(run):
     if strategy_name(run) != "deepspeed":
         return
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:  # looked up, not imported: that takes seconds
+        raise MissingDependencyError("package 'deepspeed' is needed for the deepspeed strategy: install it after "
+                                     "torch with DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed")
     train = run.config.train
     if train.on_nonfinite == "skip":
         raise ConfigError("train.on_nonfinite = 'skip': DeepSpeed measures the gradient norm inside its "

@@ -253,3 +253,11 @@ def test_bad_deepspeed_config_is_reported_once_before_anything_loads(tmp_path):
     assert result.stderr.count("engine: error: deepspeed.config: train_micro_batch_size_per_gpu = 2 contradicts "
                                "the run's train.per_device_train_batch_size = 4") == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_deepspeed_package_is_named_with_its_install_line(tmp_path, monkeypatch):
+    from engine import MissingDependencyError
+
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # what an absent package looks like to import
+    with pytest.raises(MissingDependencyError, match="DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed"):
+        _configure(tmp_path)
