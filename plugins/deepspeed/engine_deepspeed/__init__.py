@@ -69,8 +69,8 @@ def _quiet_deepspeed() -> None:
     # DeepSpeed logs its whole config and per-step notes at INFO; the engine logs progress itself
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     # torch's deprecation of the collectives DeepSpeed calls, once per call site and process
-    warnings.filterwarnings("ignore", category=FutureWarning,
-                            message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated")
+    warnings.filterwarnings("ignore", category=FutureWarning, message=(
+        r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated"))
 
 
 class DeepSpeedStrategy(DistributedStrategy):

@@ -181,6 +181,12 @@ def test_zero3_best_and_final_models_are_whole_and_load_with_from_pretrained(tmp
     ids = torch.arange(10).unsqueeze(0)
     assert torch.isfinite(model(input_ids=ids).logits).all()
 
+    # and a ZeRO-3 run starts from it: from_pretrained under zero.Init loads into the partitions
+    again = _run_file(tmp_path / "again", 3, model=str(out), max_steps=1, learning_rate=1e-12, save_steps=100)
+    _train(again, f'data.tokenizer="{out}"')
+    for name, tensor in _weights(tmp_path / "again" / "out").items():
+        assert torch.allclose(tensor, final[name], rtol=0, atol=1e-9), name
+
 
 # ---------------------------------------------------------------------------- refused at configure
 
