@@ -120,8 +120,9 @@ def _deepspeed_launcher(run_file, *sets):
     return result
 
 
-@pytest.mark.parametrize("stage, launcher", [(1, _deepspeed_launcher), (3, _train)])
-def test_a_checkpoint_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path, stage, launcher):
+def _resume_from_step_4(tmp_path, stage, launcher):
+    """An uninterrupted 8-step run, then a run resumed from its checkpoint-4: both end with the same
+    weights (bit for bit) and losses. Returns the uninterrupted run's output folder and resumed run file."""
     straight = _run_file(tmp_path / "straight", stage)
     _train(straight)
     out = tmp_path / "straight" / "out"
@@ -131,28 +132,35 @@ def test_a_checkpoint_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path, s
     partitions = {f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" for rank in (0, 1)}  # one per process
     assert partitions <= written, written
     resumed = _run_file(tmp_path / "resumed", stage)
-    checkpoint = f'train.resume_from_checkpoint="{out / "checkpoint-4"}"'
-    result = launcher(resumed, checkpoint)  # ZeRO-1: resumed under the deepspeed launcher
+    result = launcher(resumed, f'train.resume_from_checkpoint="{out / "checkpoint-4"}"')
     assert result.stderr.count("engine: resumed from") == 1
     expected = _weights(out)
     for name, tensor in _weights(tmp_path / "resumed" / "out").items():
         assert torch.equal(tensor, expected[name]), name
     assert _losses(tmp_path / "resumed" / "out") == _losses(out)[4:]
+    return out, resumed
 
+
+def test_zero1_resumes_exactly_under_the_deepspeed_launcher_and_only_with_as_many_processes(tmp_path):
+    out, resumed = _resume_from_step_4(tmp_path, 1, _deepspeed_launcher)
     # one optimizer partition per process: another number of processes cannot resume it
-    other = torchrun(["-m", "engine", "train", str(resumed), f"--set={checkpoint}", "--set=train.output_dir="
-                      f'"{tmp_path / "single"}"', "--set=train.per_device_train_batch_size=8"], nproc=1, env=ENV)
+    other = torchrun(["-m", "engine", "train", str(resumed), f'--set=train.resume_from_checkpoint="{out}/checkpoint-4"',
+                      f'--set=train.output_dir="{tmp_path / "single"}"', "--set=train.per_device_train_batch_size=8"],
+                     nproc=1, env=ENV)
     assert other.returncode != 0
     assert ("was made by 2 processes (deepspeed), this run has 1 (deepspeed), which cannot resume it; "
             "launch 2 processes") in other.stderr
 
+
+def test_zero3_resumes_exactly_and_a_damaged_partition_is_refused(tmp_path):
+    out, _ = _resume_from_step_4(tmp_path, 3, _train)
     # DeepSpeed's files are in the checkpoint's manifest: a changed byte is refused before anything loads
     partition = out / "checkpoint-8" / "deepspeed" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     data = bytearray(partition.read_bytes())
     data[len(data) // 2] ^= 0xFF
     partition.write_bytes(bytes(data))
-    damaged = torchrun(["-m", "engine", "train", str(straight), "--set=train.resume_from_checkpoint=true",
-                        "--set=train.max_steps=10"], env=ENV)
+    damaged = torchrun(["-m", "engine", "train", str(tmp_path / "straight" / "run.toml"),
+                        "--set=train.resume_from_checkpoint=true", "--set=train.max_steps=10"], env=ENV)
     assert damaged.returncode != 0
     assert damaged.stderr.count("deepspeed/zero_pp_rank_1_mp_rank_00_optim_states.pt does not match its "
                                 "checksum") == 1
