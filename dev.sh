@@ -14,7 +14,15 @@ install() {
     "$PY" -m pip install --upgrade pip &&
     # the CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build
     "$PY" -m pip install torch==2.13.0 &&
-    "$PY" -m pip install -c <(echo torch==2.13.0) "$@"
+    # deepspeed (for plugins/deepspeed) builds against the installed torch, so without build
+    # isolation, and compiles no ops now (DS_BUILD_OPS=0): the one it needs on CPU is built below
+    DS_BUILD_OPS=0 "$PY" -m pip install --no-build-isolation -c <(echo torch==2.13.0) deepspeed &&
+    "$PY" -m pip install -c <(echo torch==2.13.0) "$@" &&
+    # DeepSpeed JIT-compiles its shared-memory op on first use on CPU (~1 min); compile it once
+    # into the venv, where the deepspeed tests point TORCH_EXTENSIONS_DIR
+    TORCH_EXTENSIONS_DIR="$VENV/torch_extensions" "$PY" -c 'from deepspeed.accelerator import get_accelerator
+builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+builder is None or builder.load()'
 }
 
 setup() {

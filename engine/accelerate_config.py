@@ -328,7 +328,8 @@ _DEEPSPEED: dict[str, Callable[..., None]] = {
     "zero_stage": _section_key("deepspeed.zero_stage", _zero_stage),
     "offload_optimizer_device": _section_key("deepspeed.offload_optimizer", _offload_device),
     "offload_param_device": _section_key("deepspeed.offload_param", _offload_device),
-    "zero3_init_flag": _section_key("deepspeed.zero3_init", _boolean),
+    "zero3_init_flag": lambda mapping, key, value: mapping.note(
+        key, _boolean(mapping, key, value), "under ZeRO-3 the model is always built inside deepspeed.zero.Init"),
     "zero3_save_16bit_model": lambda mapping, key, value: mapping.note(
         key, value, "the final model is always consolidated to full HF weights"),
     "gradient_accumulation_steps": _same_as_train("gradient_accumulation_steps"),

@@ -96,7 +96,12 @@ class Strategy:
         return model.to(self.device)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Wrap the optimizer if the strategy needs to."""
+        """Wrap the optimizer if the strategy needs to; returns the optimizer the scheduler drives.
+
+        Called after :meth:`prepare_model`, with the registry's optimizer over the model's
+        parameters. A strategy that wraps model and optimizer together (DeepSpeed) does it here and
+        sets ``run.wrapped_model`` to the module the loop then calls forward on.
+        """
         return optimizer
 
     def to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
@@ -126,14 +131,17 @@ class Strategy:
             loss = self.scaler.scale(loss)
         loss.backward()
 
-    def clip_grad_norm(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
-        """Clip the global gradient norm of ``optimizer``'s parameters; returns the norm before clipping."""
+    def clip_grad_norm(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor | None:
+        """Clip the global gradient norm of ``optimizer``'s parameters; returns the norm before clipping
+        (None from a strategy that clips inside :meth:`optimizer_step`, which then returns it)."""
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | float | None:
+        """Apply the update. A strategy that clips inside its step (DeepSpeed: its
+        :meth:`clip_grad_norm` returns None) returns the norm before clipping; None otherwise."""
         if self.scaler is not None:
             self.scaler.step(optimizer)
             self.scaler.update()

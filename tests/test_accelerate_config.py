@@ -50,7 +50,8 @@ def test_deepspeed_shape_with_a_config_file(tmp_path):
     mapping = map_config(config, "ds.yaml")
     assert mapping.plugins == ["deepspeed"]
     assert mapping.settings["deepspeed.config"] == str(tmp_path / "ds.json")
-    assert mapping.settings["deepspeed.zero3_init"] is True
+    assert "deepspeed_config.zero3_init_flag: true -> under ZeRO-3 the model is always built inside " \
+           "deepspeed.zero.Init" in mapping.lines
     with pytest.raises(ConfigError, match=r"deepspeed_config.deepspeed_config_file: 'ds.json': expected the path "
                                           r"of a DeepSpeed JSON file that exists"):
         map_config(DEEPSPEED_FILE, "ds.yaml")
@@ -60,8 +61,7 @@ def test_deepspeed_inline_zero3_with_offload():
     mapping = map_config(DEEPSPEED_ZERO3, "zero3.yaml")
     assert mapping.plugins == ["deepspeed"]
     assert {k: v for k, v in mapping.settings.items() if not k.startswith("train.")} == {
-        "deepspeed.offload_optimizer": "cpu", "deepspeed.offload_param": "cpu", "deepspeed.zero3_init": True,
-        "deepspeed.zero_stage": 3}
+        "deepspeed.offload_optimizer": "cpu", "deepspeed.offload_param": "cpu", "deepspeed.zero_stage": 3}
     assert mapping.settings["train.max_grad_norm"] == 1.0  # DeepSpeed's gradient_clipping, kept explicit
     assert mapping.settings["train.gradient_accumulation_steps"] == 1
 

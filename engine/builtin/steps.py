@@ -56,7 +56,9 @@ def training_step(run, batches, num_items_in_batch):
             strategy.optimizer_step(optimizer)  # the loss scaler skips it and lowers its scale
         optimizer.zero_grad(set_to_none=True)
         return StepOutput(total, grad_norm, skipped=True)
-    strategy.optimizer_step(optimizer)
+    norm_in_step = strategy.optimizer_step(optimizer)  # DeepSpeed clips inside its step
+    if norm_in_step is not None:
+        grad_norm = norm_in_step
     optimizer.zero_grad(set_to_none=True)
     return StepOutput(total, grad_norm)
 
