@@ -224,6 +224,8 @@ def main():
                "c10d", "--rdzv-endpoint", f"localhost:{free_port()}", __file__, "--worker", "--out", str(out),
                *chosen, *sys.argv[1:]]
     env = {**os.environ, "OMP_NUM_THREADS": "1"} if args.device == "cpu" else dict(os.environ)
+    # DeepSpeed's CPU op, compiled once into the venv by ./dev.sh setup
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     subprocess.run(command, env=env, check=True)
     report(json.loads(out.read_text()), args)
     out.unlink()

@@ -13,7 +13,8 @@ class Plugin:
         hooks = list(embeddings._forward_hooks.values())
         if len(hooks) != 1 or "add_noise" not in hooks[0].__code__.co_names:
             raise RuntimeError(f"rank {run.strategy.rank}: NEFTune's hook is not on {type(embeddings).__name__}: {hooks}")
-        called = getattr(run.wrapped_model, "module", run.wrapped_model)  # DDP wraps; FSDP2 shards in place
+        # DDP and DeepSpeed wrap (.module); FSDP2 shards in place
+        called = getattr(run.wrapped_model, "module", run.wrapped_model)
         if called.get_input_embeddings() is not embeddings:
             raise RuntimeError(f"the {run.strategy.name} strategy calls other embeddings than the hooked ones")
 
