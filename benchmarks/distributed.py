@@ -55,8 +55,14 @@ def build_model(args):
     return transformers.LlamaForCausalLM(config)
 
 
+def _schedule(optimizer, args):
+    import torch
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / args.steps)
+
+
 def wrap_by_hand(strategy, model, device, args):
-    """The model and optimizer as a hand-written loop of ``strategy`` would prepare them."""
+    """The model, optimizer and scheduler as a hand-written loop of ``strategy`` would prepare them."""
     import torch
 
     if strategy == "deepspeed":
@@ -65,8 +71,9 @@ def wrap_by_hand(strategy, model, device, args):
         optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
         config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
                   "gradient_clipping": 1.0, "zero_optimization": {"stage": args.zero_stage}}
-        engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-        return engine, optimizer
+        engine, optimizer, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
+                                                               lr_scheduler=_schedule(optimizer, args))
+        return engine, optimizer, scheduler  # engine.step() steps both
     model = model.to(device)
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -78,17 +85,17 @@ def wrap_by_hand(strategy, model, device, args):
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
-    return model, torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
+    return model, optimizer, _schedule(optimizer, args)
 
 
 def run_by_hand(strategy, base, dataset, device, args):
     import torch
 
     started = time.perf_counter()
-    model, optimizer = wrap_by_hand(strategy, copy.deepcopy(base), device, args)
+    model, optimizer, scheduler = wrap_by_hand(strategy, copy.deepcopy(base), device, args)
     sampler = torch.utils.data.DistributedSampler(dataset, shuffle=True, seed=SEED)
     loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch, sampler=sampler, drop_last=True)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / args.steps)
     stamps, loss = [], None
     batches = iter(loader)
     for _ in range(args.steps):
