@@ -129,7 +129,7 @@ def test_a_server_killed_mid_run_never_stops_training(tmp_path, caplog):
         own.kill()
     assert same_weights(plain.model, tracked.model) == []
     switched_off = [m for m in caplog.messages if m.startswith("plugin 'mlflow': ")]
-    assert len(switched_off) == 1 and "ConnectionError" in switched_off[0], caplog.messages
+    assert len(switched_off) == 1 and "API request to " in switched_off[0], caplog.messages
     record = json.loads((tmp_path / "out" / "run.json").read_text())
     assert record["status"] == "finished" and list(record["switched_off"]) == ["mlflow"]
     assert len(logged_scalars(tmp_path / "out")) == len(logged_scalars(tmp_path / "plain"))
@@ -195,8 +195,9 @@ def test_all_four_trackers_at_once_and_resume_continues_the_same_runs(server, tm
     assert found.info.status == "FINISHED"
     assert server_scalars(client, found) == reference
 
-    (wandb_run,) = read_offline_runs(tmp_path / "run" / "wandb")  # both offline folders hold one run id
-    assert {step for _, step in wandb_run.scalars} == {1, 2, 3, 4}
+    assert len(list((tmp_path / "run" / "wandb").glob("offline-run-*"))) == 2  # one per process
+    (wandb_run,) = read_offline_runs(tmp_path / "run" / "wandb")  # both hold the same run id
+    assert wandb_run.scalars == reference
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -49,7 +49,7 @@ class TensorBoardTracker:
         step = run.state.global_step
         # on resume, TensorBoard drops what an interrupted run wrote after the checkpoint's step
         self.writer = SummaryWriter(options.logging_dir or default_logging_dir(run.output_dir),
-                                    purge_step=step if step > 0 else None)
+                                    purge_step=step + 1 if step > 0 else None)
         # indented: a code block in TensorBoard's markdown text view
         text = "\n".join("    " + line for line in dumps_json(params, indent=2).splitlines())
         self.writer.add_text("config", text, global_step=step)

@@ -23,6 +23,10 @@ FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
 @dataclass
 class OfflineRun:
     run_id: str
+    name: str = ""
+    project: str = ""
+    group: str = ""
+    tags: list[str] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
     scalars: dict[tuple[str, int], float] = field(default_factory=dict)  # (name, step) -> value
     exit_code: int | None = None
@@ -64,7 +68,9 @@ def read_offline_runs(wandb_dir: str | Path) -> list[OfflineRun]:
         for record in records(path):
             kind = record.WhichOneof("record_type")
             if kind == "run":
-                run = runs.setdefault(record.run.run_id, OfflineRun(record.run.run_id))
+                info = record.run
+                run = runs.setdefault(info.run_id, OfflineRun(info.run_id))
+                run.name, run.project, run.group, run.tags = info.display_name, info.project, info.run_group, list(info.tags)
                 for item in record.run.config.update:
                     run.config[item.key] = _value(item)
             elif kind == "config" and run is not None:
