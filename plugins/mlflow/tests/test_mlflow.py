@@ -140,7 +140,7 @@ def test_all_four_trackers_at_once_and_resume_continues_the_same_runs(server, tm
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
     trackers = ["tensorboard", "mlflow", "wandb", "trackio"]
-    sections = {"mlflow": {"tracking_uri": server.uri, "experiment_name": "all-four"},
+    sections = {"mlflow": {"tracking_uri": server.uri, "experiment_name": "all-four", "log_artifacts": "checkpoints"},
                 "tensorboard": {"logging_dir": str(tmp_path / "tb")}, "trackio": {"project": "all-four"}}
     plan = subprocess.run([sys.executable, "-m", "engine", "plan", "--set", f'plugins={json.dumps(trackers)}'],
                           capture_output=True, text=True, timeout=120)
@@ -159,6 +159,9 @@ def test_all_four_trackers_at_once_and_resume_continues_the_same_runs(server, tm
     found = only_run(client, "all-four")  # one MLflow run: the resumed run continued it
     assert found.info.status == "FINISHED"
     assert server_scalars(client, found) == reference
+    uploaded = {item.path for item in client.list_artifacts(found.info.run_id)}
+    assert uploaded == {"checkpoint-2", "checkpoint-4", "model"}
+    assert "checkpoint-4/model.safetensors" in {i.path for i in client.list_artifacts(found.info.run_id, "checkpoint-4")}
 
     assert len(list((tmp_path / "run" / "wandb").glob("offline-run-*"))) == 2  # one per process
     (wandb_run,) = read_offline_runs(tmp_path / "run" / "wandb")  # both hold the same run id

@@ -72,3 +72,8 @@ class WandbTracker:
         if self.wandb_run is not None:
             wandb_run, self.wandb_run = self.wandb_run, None
             wandb_run.finish(exit_code=0 if status == "success" else 1)
+            import wandb
+
+            # finish() returns before W&B's service process has written (offline) or sent
+            # everything; teardown waits for it, so the run is complete when training returns
+            wandb.teardown()
