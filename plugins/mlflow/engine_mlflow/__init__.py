@@ -1,10 +1,11 @@
 """MLflow tracking for the engine (``plugins = ["mlflow"]``, Trainer's ``report_to``).
 
 The config goes in once as params (flattened, within MLflow's key/value limits, in batches of
-100), metrics at their step, and the run ends FINISHED or FAILED. Metrics and uploads are sent
-from a thread: MLflow's client sends each call over HTTP before it returns, which would stall
-steps (see benchmarks/trackers.py). The run id is kept in checkpoints, so a resumed training
-run continues the same MLflow run.
+100), metrics at their step, and the run ends FINISHED or FAILED. MLflow's client sends each
+call over HTTP before it returns, which would stall steps, so metrics are collected and sent
+as one batch every ``send_interval`` seconds, from a thread, as are uploads (the cost per
+step: benchmarks/trackers.py). The run id is kept in checkpoints, so a resumed training run
+continues the same MLflow run.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ logger = logging.getLogger("engine")
 MAX_KEY_LENGTH = 250
 MAX_VALUE_LENGTH = 6000
 PARAMS_PER_BATCH = 100
+METRICS_PER_BATCH = 1000  # MAX_METRICS_PER_BATCH
 
 
 @dataclass
@@ -38,6 +40,8 @@ class MLflowOptions:
     log_artifacts: Literal["none", "final", "checkpoints"] = option("none", help=(
         "upload the final model at the end ('final'), or every checkpoint as it is saved and the final "
         "model ('checkpoints')"))
+    send_interval: float = option(1.0, min=0, help=(
+        "seconds between the batches of metrics sent to the tracking server (0: one request per log)"))
     strict: bool = option(False, help="a tracking failure ends the run (default: reported, then switched off)")
 
 
@@ -46,6 +50,8 @@ class MLflowTracker:
         self.client = None
         self.run_id: str | None = None  # also restored from a checkpoint on resume
         self.sender: BackgroundSender | None = None
+        self.pending: list = []  # metrics not yet handed to the sender
+        self.last_sent = 0.0
 
     @hookimpl
     def plugin_options(self):
@@ -103,10 +109,18 @@ class MLflowTracker:
             return
         from mlflow.entities import Metric
 
-        now = int(time.time() * 1000)
-        batch = [Metric(key, value, now, step) for key, value in scalar_metrics(metrics).items()]
+        now = time.time()
+        self.pending += [Metric(key, value, int(now * 1000), step) for key, value in scalar_metrics(metrics).items()]
+        if now - self.last_sent >= run.config.section("mlflow").send_interval or len(self.pending) >= METRICS_PER_BATCH:
+            self._send_pending()
+            self.last_sent = now
+
+    def _send_pending(self):
         client, run_id = self.client, self.run_id
-        self.sender.submit(lambda: client.log_batch(run_id, metrics=batch))
+        for start in range(0, len(self.pending), METRICS_PER_BATCH):
+            batch = self.pending[start:start + METRICS_PER_BATCH]
+            self.sender.submit(lambda batch=batch: client.log_batch(run_id, metrics=batch))
+        self.pending = []
 
     @hookimpl
     def on_checkpoint_saved(self, run, path):
@@ -120,6 +134,7 @@ class MLflowTracker:
             return
         from engine.checkpoint import final_model_files
 
+        self._send_pending()  # (a sender that failed sends nothing more)
         sender, self.sender = self.sender, None
         if status == "success" and run.config.section("mlflow").log_artifacts != "none":
             client, run_id = self.client, self.run_id
