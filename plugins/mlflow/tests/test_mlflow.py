@@ -68,6 +68,15 @@ def test_long_config_values_are_cut_to_mlflows_limit(server, tmp_path):
     assert len(params["train.model_config.note"]) == 6000 and params["train.model_config.note"].endswith("...")
 
 
+def test_without_a_tracking_uri_the_run_goes_into_a_local_store_in_output_dir(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    run_steps(3, plugins=["mlflow"], output_dir=tmp_path)
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    found = only_run(client, "Default")
+    assert found.info.run_name == tmp_path.name and found.info.status == "FINISHED"
+    assert server_scalars(client, found) == logged_scalars(tmp_path)
+
+
 class KillServer:
     """Kills the tracking server after optimizer step ``at``: a real outage in the middle of a run."""
 
