@@ -68,6 +68,24 @@ def test_long_config_values_are_cut_to_mlflows_limit(server, tmp_path):
     assert len(params["train.model_config.note"]) == 6000 and params["train.model_config.note"].endswith("...")
 
 
+def test_a_run_that_raised_ends_failed_with_what_it_logged(server, tmp_path):
+    class Explode:
+        name = "explode"
+
+        @hookimpl
+        def on_step_end(self, run):
+            if run.state.global_step == 2:
+                raise RuntimeError("boom")
+
+    sections = {"mlflow": {"tracking_uri": server.uri, "experiment_name": "raised"}}
+    with pytest.raises(RuntimeError, match="boom"):
+        run_steps(5, plugins=["mlflow"], objects=[Explode()], output_dir=tmp_path, sections=sections)
+    client = MlflowClient(server.uri)
+    found = only_run(client, "raised")
+    assert found.info.status == "FAILED"
+    assert server_scalars(client, found) == logged_scalars(tmp_path)
+
+
 def test_without_a_tracking_uri_the_run_goes_into_a_local_store_in_output_dir(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     run_steps(3, plugins=["mlflow"], output_dir=tmp_path)
