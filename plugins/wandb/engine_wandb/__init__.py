@@ -2,7 +2,8 @@
 
 ``wandb.init`` gets the composed config (nested, as W&B shows it), metrics go in at their step,
 and the run finishes with exit code 0 or 1. W&B's own service process buffers and sends, so
-steps never wait on the network. ``WANDB_MODE=offline`` writes the run under
+steps never wait on the network; ``run.log`` itself costs 1-3 ms of Python per row (a thread
+would not help: it would hold the GIL for as long), see benchmarks/trackers.py. ``WANDB_MODE=offline`` writes the run under
 ``output_dir/wandb`` without a key (``wandb sync`` uploads it later). The run id is kept in
 checkpoints, so a resumed training run continues the same W&B run (``resume="allow"``). The
 API key is W&B's business: this plugin never reads, logs or stores it.
@@ -71,9 +72,11 @@ class WandbTracker:
     def log_finish(self, run, status):
         if self.wandb_run is not None:
             wandb_run, self.wandb_run = self.wandb_run, None
-            wandb_run.finish(exit_code=0 if status == "success" else 1)
             import wandb
 
-            # finish() returns before W&B's service process has written (offline) or sent
-            # everything; teardown waits for it, so the run is complete when training returns
-            wandb.teardown()
+            try:
+                wandb_run.finish(exit_code=0 if status == "success" else 1)
+            finally:
+                # finish() returns before W&B's service process has written (offline) or sent
+                # everything; teardown waits for it, so the run is complete when training returns
+                wandb.teardown()
