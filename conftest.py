@@ -1,6 +1,8 @@
 """Settings and fixtures for every test run from the repository root (tests/, contrib/, plugins/)."""
 
+import os
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -11,6 +13,10 @@ import torch
 # other on a busy 2-core machine (a 7-step run took 10x longer). Subprocess tests keep torch's
 # default.
 torch.set_num_threads(1)
+
+# trackio reads TRACKIO_DIR once, when imported: every test's trackio runs go into one temporary
+# store (tests tell them apart by project), never into the user's ~/.cache
+os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="engine-test-trackio-")
 
 
 @pytest.fixture

@@ -54,6 +54,7 @@ FIRST_PARTY: dict[str, FirstParty] = {
     "tensorboard": FirstParty("tensorboard"),
     "mlflow": FirstParty("mlflow"),
     "wandb": FirstParty("wandb"),
+    "trackio": FirstParty("trackio"),
 }
 
 

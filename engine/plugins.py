@@ -133,13 +133,14 @@ class IsolatedHooks:
     def __init__(self, run: Any):
         self.run = run
         self.failed: dict[str, str] = {}
+        self.fatal: set[str] = set()  # strict plugins whose failure ends the run: closed quietly after
 
     def call(self, hook_name: str, **kwargs: Any) -> None:
         run = self.run
         kwargs["run"] = run
         for impl in reversed(getattr(run.hook, hook_name).get_hookimpls()):
             plugin = impl.plugin_name
-            switched_off = plugin in self.failed
+            switched_off = plugin in self.failed or plugin in self.fatal
             if switched_off and hook_name != "log_finish":
                 continue
             try:
@@ -150,6 +151,7 @@ class IsolatedHooks:
                     continue
                 section = run.config.sections.get(plugin)
                 if getattr(section, "strict", False):
+                    self.fatal.add(plugin)
                     raise PluginError(f"plugin {plugin!r} ({plugin}.strict = true) failed in {hook_name} at step "
                                       f"{run.state.global_step}: {describe_exception(exc)}") from exc
                 what = f"{hook_name} raised {describe_exception(exc)} at step {run.state.global_step}"

@@ -1,5 +1,5 @@
-"""Helpers for plugin authors' tests: a tiny model and dataset, short runs, a hook recorder, and
-launching several processes with torchrun.
+"""Helpers for plugin authors' tests: a tiny model and dataset, short runs, a hook recorder, what a
+run logged (to compare trackers with), and launching several processes with torchrun.
 
 Example (a whole plugin test)::
 
@@ -90,6 +90,27 @@ def run_steps(steps: int = 3, plugins: list[str] = (), *, objects: list[Any] = (
               plugins=list(objects), **run_kwargs)
     run.train()
     return run
+
+
+def logged_scalars(output_dir: str | Path) -> dict[tuple[str, int], float]:
+    """Every number ``output_dir/metrics.jsonl`` holds, by ``(name, step)``: the reference that a
+    tracker's own read-back is compared with (non-finite values are null there, so left out)."""
+    import json
+
+    found = {}
+    for line in (Path(output_dir) / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        step = record.pop("step")
+        for name, value in record.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                found[name, step] = float(value)
+    return found
+
+
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
+    """The names of the parameters that differ between two models ([] when all are equal)."""
+    others = dict(b.named_parameters())
+    return [name for name, value in a.named_parameters() if not torch.equal(value, others[name])]
 
 
 class HookRecorder:

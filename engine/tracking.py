@@ -1,0 +1,128 @@
+"""Helpers shared by tracker plugins (TensorBoard, MLflow, W&B, trackio).
+
+* :func:`flatten_config` turns the composed config into flat ``"train.learning_rate"`` keys
+  whose values a tracker accepts, within its limits on key and value length.
+* :func:`scalar_metrics` keeps the numbers of a ``log_metrics`` call (trackers plot scalars).
+* :func:`tracker_run_name` is the run's name for a tracker (``train.run_name`` or output_dir's).
+* :class:`BackgroundSender` sends a slow client's calls from a thread so steps never wait on
+  the network; an error it met is raised on the next call, where the isolated logging hooks
+  report it by the plugin's name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import queue
+import threading
+from typing import Any, Callable
+
+logger = logging.getLogger("engine")
+
+TRUNCATED = "..."
+
+
+def flatten_config(params: dict[str, Any], *, max_key_length: int | None = None,
+                   max_value_length: int | None = None, tracker: str = "tracker") -> dict[str, Any]:
+    """``{"train": {"learning_rate": 0.1}}`` -> ``{"train.learning_rate": 0.1}``.
+
+    Values stay bool, int, float or str; lists become their JSON text and None the string
+    ``"None"``. A string longer than ``max_value_length`` is cut to that length (ending in
+    ``...``); a key longer than ``max_key_length`` is left out. Both are logged once as a
+    warning naming ``tracker`` and the keys, so nothing goes missing silently.
+    """
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict) and value:
+            for key, item in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), item)
+        elif isinstance(value, (bool, int, float, str)):
+            flat[prefix] = value
+        elif value is None:
+            flat[prefix] = "None"
+        else:  # lists, empty dicts
+            flat[prefix] = json.dumps(value, default=str)
+
+    walk("", params)
+    too_long = [key for key in flat if max_key_length is not None and len(key) > max_key_length]
+    cut = []
+    for key in too_long:
+        del flat[key]
+    if max_value_length is not None:
+        for key, value in flat.items():
+            text = value if isinstance(value, str) else None
+            if text is not None and len(text) > max_value_length:
+                flat[key] = text[: max_value_length - len(TRUNCATED)] + TRUNCATED
+                cut.append(key)
+    if too_long:
+        logger.warning("%s: config keys longer than %d characters are not logged: %s", tracker, max_key_length,
+                       ", ".join(too_long))
+    if cut:
+        logger.warning("%s: config values longer than %d characters are cut short: %s", tracker, max_value_length,
+                       ", ".join(cut))
+    return flat
+
+
+def scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    """The numbers among ``metrics`` as floats (bools and strings are not scalars to plot)."""
+    return {key: float(value) for key, value in metrics.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
+def finite_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """``metrics`` without nan and inf, for trackers that refuse them."""
+    return {key: value for key, value in metrics.items() if math.isfinite(value)}
+
+
+def tracker_run_name(run: Any) -> str:
+    """The run's name for trackers: ``train.run_name``, or output_dir's folder name."""
+    return run.config.train.run_name or run.output_dir.resolve().name
+
+
+class BackgroundSender:
+    """Calls queued functions one by one on a daemon thread, in order.
+
+    :meth:`submit` returns at once. An exception a call raised is kept and raised by the next
+    :meth:`submit` or by :meth:`close` (nothing more is sent after it), so the caller's hook
+    fails where the engine isolates and reports it. ``max_pending`` bounds the queue: a tracker
+    that falls that far behind makes steps wait rather than fill memory.
+    """
+
+    def __init__(self, name: str, max_pending: int = 1000):
+        self.error: BaseException | None = None  # the first failure; nothing is sent after it
+        self._reported = False
+        self._queue: queue.Queue[Callable[[], Any] | None] = queue.Queue(max_pending)
+        self._thread = threading.Thread(target=self._work, name=f"engine-{name}-sender", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        while True:
+            call = self._queue.get()
+            try:
+                if call is None:
+                    return
+                if self.error is None:
+                    call()
+            except BaseException as exc:  # kept for the caller's thread
+                self.error = exc
+            finally:
+                self._queue.task_done()
+
+    def _raise_error(self) -> None:
+        if self.error is not None and not self._reported:
+            self._reported = True
+            raise self.error
+
+    def submit(self, call: Callable[[], Any]) -> None:
+        self._raise_error()
+        self._queue.put(call)
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Send what is queued (waiting at most ``timeout`` seconds), stop the thread, raise an error."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"{self._thread.name}: still sending after {timeout:g} s; the rest is dropped")
+        self._raise_error()

@@ -1,0 +1,67 @@
+"""trackio tracking for the engine (``plugins = ["trackio"]``, Trainer's ``report_to``).
+
+The local-first tracker: runs go into trackio's local store (``TRACKIO_DIR``, default
+``~/.cache/huggingface/trackio``; ``trackio show`` opens its dashboard) or to a Hugging Face
+Space (``space_id``). trackio's own thread batches and writes the logs, so steps never wait.
+The run's name is kept in checkpoints, so a resumed training run continues the same run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine import hookimpl, option, require
+from engine.tracking import scalar_metrics, tracker_run_name
+
+
+@dataclass
+class TrackioOptions:
+    project: str = option("engine", nonempty=True, help="the trackio project (TrainingArguments.project)")
+    run_name: str | None = option(None, help="the run's name; default train.run_name or output_dir's name")
+    space_id: str | None = option(None, help=(
+        "log to this Hugging Face Space instead of the local store (TrainingArguments.trackio_space_id)"))
+    group: str | None = option(None, help="group runs together in the dashboard")
+    strict: bool = option(False, help="a tracking failure ends the run (default: reported, then switched off)")
+
+
+class TrackioTracker:
+    def __init__(self):
+        self.trackio_run = None
+        self.resume_name: str | None = None  # from a checkpoint: the run to continue
+
+    @hookimpl
+    def plugin_options(self):
+        return TrackioOptions
+
+    @hookimpl
+    def configure(self, run):
+        require("trackio", feature="plugins = ['trackio']", extra="trackio")
+
+    @hookimpl
+    def checkpoint_state(self, run):
+        return {"run_name": self.trackio_run.name} if self.trackio_run is not None else None
+
+    @hookimpl
+    def load_checkpoint_state(self, run, state):
+        self.resume_name = state.get("run_name")
+
+    @hookimpl
+    def log_hyperparams(self, run, params):
+        import trackio
+
+        options = run.config.section("trackio")
+        self.trackio_run = trackio.init(
+            project=options.project, name=self.resume_name or options.run_name or tracker_run_name(run),
+            space_id=options.space_id, group=options.group, config=params, embed=False,
+            resume="allow" if self.resume_name else "never")
+
+    @hookimpl
+    def log_metrics(self, run, metrics, step):
+        if self.trackio_run is not None:  # None: evaluate() outside training
+            self.trackio_run.log(scalar_metrics(metrics), step=step)
+
+    @hookimpl
+    def log_finish(self, run, status):
+        if self.trackio_run is not None:
+            trackio_run, self.trackio_run = self.trackio_run, None
+            trackio_run.finish()

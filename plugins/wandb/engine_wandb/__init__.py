@@ -1,0 +1,82 @@
+"""Weights & Biases tracking for the engine (``plugins = ["wandb"]``, Trainer's ``report_to``).
+
+``wandb.init`` gets the composed config (nested, as W&B shows it), metrics go in at their step,
+and the run finishes with exit code 0 or 1. W&B's own service process buffers and sends, so
+steps never wait on the network; ``run.log`` itself costs 1-3 ms of Python per row (a thread
+would not help: it would hold the GIL for as long), see benchmarks/trackers.py. ``WANDB_MODE=offline`` writes the run under
+``output_dir/wandb`` without a key (``wandb sync`` uploads it later). The run id is kept in
+checkpoints, so a resumed training run continues the same W&B run (``resume="allow"``). The
+API key is W&B's business: this plugin never reads, logs or stores it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine import hookimpl, option, require
+from engine.tracking import scalar_metrics, tracker_run_name
+
+
+@dataclass
+class WandbOptions:
+    project: str | None = option(None, help="W&B project; default WANDB_PROJECT, else 'engine'")
+    entity: str | None = option(None, help="team or user; default WANDB_ENTITY, else your default entity")
+    name: str | None = option(None, help="the W&B run's name; default train.run_name or output_dir's name")
+    tags: list[str] = option(help="tags of the run", default_factory=list)
+    group: str | None = option(None, help="group runs together (e.g. the runs of one sweep)")
+    strict: bool = option(False, help="a tracking failure ends the run (default: reported, then switched off)")
+
+
+class WandbTracker:
+    def __init__(self):
+        self.wandb_run = None
+        self.run_id: str | None = None  # also restored from a checkpoint on resume
+
+    @hookimpl
+    def plugin_options(self):
+        return WandbOptions
+
+    @hookimpl
+    def configure(self, run):
+        require("wandb", feature="plugins = ['wandb']", extra="wandb")
+
+    @hookimpl
+    def checkpoint_state(self, run):
+        return {"run_id": self.run_id} if self.run_id else None
+
+    @hookimpl
+    def load_checkpoint_state(self, run, state):
+        self.run_id = state.get("run_id")
+
+    @hookimpl
+    def log_hyperparams(self, run, params):
+        import os
+
+        import wandb
+
+        options = run.config.section("wandb")
+        run.output_dir.mkdir(parents=True, exist_ok=True)
+        self.wandb_run = wandb.init(
+            project=options.project or os.environ.get("WANDB_PROJECT") or "engine", entity=options.entity,
+            name=options.name or tracker_run_name(run), tags=options.tags or None, group=options.group,
+            config=params, dir=str(run.output_dir), id=self.run_id, resume="allow" if self.run_id else None,
+            reinit="create_new")
+        self.run_id = self.wandb_run.id
+
+    @hookimpl
+    def log_metrics(self, run, metrics, step):
+        if self.wandb_run is not None:  # None: evaluate() outside training
+            self.wandb_run.log(scalar_metrics(metrics), step=step)
+
+    @hookimpl
+    def log_finish(self, run, status):
+        if self.wandb_run is not None:
+            wandb_run, self.wandb_run = self.wandb_run, None
+            import wandb
+
+            try:
+                wandb_run.finish(exit_code=0 if status == "success" else 1)
+            finally:
+                # finish() returns before W&B's service process has written (offline) or sent
+                # everything; teardown waits for it, so the run is complete when training returns
+                wandb.teardown()
