@@ -1,6 +1,10 @@
 """Settings and fixtures for every test run from the repository root (tests/, contrib/, plugins/)."""
 
+import atexit
+import os
+import shutil
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -11,6 +15,13 @@ import torch
 # other on a busy 2-core machine (a 7-step run took 10x longer). Subprocess tests keep torch's
 # default.
 torch.set_num_threads(1)
+
+# datasets caches what it reads: a folder of this test session (subprocesses inherit it), not the
+# user's ~/.cache; and nothing asks the Hub.
+_DATASETS_CACHE = tempfile.mkdtemp(prefix="engine-tests-datasets-")
+atexit.register(shutil.rmtree, _DATASETS_CACHE, ignore_errors=True)
+os.environ["HF_DATASETS_CACHE"] = _DATASETS_CACHE
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture
