@@ -654,8 +654,10 @@ class FlatteningCollator:
 DOCUMENT_PACKING_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 
 
-def check_document_packing(model: torch.nn.Module) -> None:
-    """Refuse ``data.packing = "document"`` for a model whose attention would mix the documents."""
+def enable_document_packing(model: torch.nn.Module) -> None:
+    """Refuse ``data.packing = "document"`` for a model whose attention would mix the documents;
+    else turn its KV cache off (transformers reads packed documents from position_ids only
+    without a cache)."""
     import inspect
 
     config = getattr(model, "config", None)
@@ -667,6 +669,7 @@ def check_document_packing(model: torch.nn.Module) -> None:
             f"{implementation or 'unknown'}) cannot keep packed documents apart: that needs a transformers model "
             f"taking position_ids with attention {' / '.join(DOCUMENT_PACKING_ATTENTION)}; "
             "set data.packing = true or false")
+    config.use_cache = False
 
 
 def collator_for(data: DataConfig, tokenizer: PreTrainedTokenizerBase | None) -> Callable[[list[Any]], Any]:

@@ -235,7 +235,7 @@ class Run:
                 self.model = build_model(train, self.tokenizer)
             self._check_model("train.model")
         if data.packing == "document":
-            data_mod.check_document_packing(self.model)
+            data_mod.enable_document_packing(self.model)
         self.label_shift = shifts_labels(self.model)
         vocab_size = getattr(getattr(self.model, "config", None), "vocab_size", None)
         if vocab_size is not None and self.tokenizer is not None and len(self.tokenizer) > vocab_size:
