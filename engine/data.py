@@ -112,6 +112,16 @@ def is_datasets_object(obj: Any) -> bool:
     return type(obj).__module__.startswith("datasets.") and hasattr(obj, "column_names")
 
 
+def show_progress(enabled: bool) -> None:
+    """datasets' progress bars (reading, tokenizing) on or off, as the console's (train.disable_tqdm)."""
+    from datasets.utils import logging as datasets_logging
+
+    if enabled:
+        datasets_logging.enable_progress_bar()
+    else:
+        datasets_logging.disable_progress_bar()
+
+
 def load_source(source: str, data: DataConfig, key: str, split: str | None = None) -> Any:
     """The rows of ``source`` as a ``datasets.Dataset`` (an ``IterableDataset`` with
     ``data.streaming``): ``"embedded"``, a local file, glob or folder, a dataset saved with

@@ -209,6 +209,8 @@ class Run:
         else:
             self._check_model("model")
         given = self.train_dataset
+        if given is None or data_mod.is_datasets_object(given):
+            data_mod.show_progress(not train.disable_tqdm)
         if self.tokenizer is None and (given is None or self.model is None or data_mod.needs_tokenizer(given, data)):
             self.tokenizer = data_mod.build_tokenizer(data, train.model, given if data_mod.is_datasets_object(given)
                                                       else None)
