@@ -24,8 +24,10 @@ module stays cheap.
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import glob
+import itertools
 import json
 import logging
 import os
@@ -58,8 +60,12 @@ MODEL_MAX_LENGTH = 1 << 40
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow",
                  ".txt": "text"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+EXAMPLE_COLUMNS = ("input_ids", "labels", "position_ids")  # what the tokenizing steps write
 MAP_BATCH_SIZE = 1000  # Dataset.map's default batch: concatenate-packing cuts within one
-AUTO_NUM_PROC_ROWS = 50_000  # data.num_proc unset: one process below this many rows
+# Below these sizes reading and tokenizing take a second or so: one process, no progress bars,
+# and reading the cache is not worth a line in the console.
+LARGE_ROWS = 50_000
+LARGE_FILE_BYTES = 50 * 10**6
 PIPELINE_VERSION = 1  # part of every cache fingerprint: bump when a map step's output changes
 
 # Pure-Python stdlib modules with plenty of prose in their docstrings; each is present on
@@ -112,14 +118,25 @@ def is_datasets_object(obj: Any) -> bool:
     return type(obj).__module__.startswith("datasets.") and hasattr(obj, "column_names")
 
 
+_progress_wanted = True
+
+
 def show_progress(enabled: bool) -> None:
-    """datasets' progress bars (reading, tokenizing) on or off, as the console's (train.disable_tqdm)."""
+    """datasets' progress bars (reading, tokenizing large data) on or off, as the console's
+    (``train.disable_tqdm``)."""
+    global _progress_wanted
+    _progress_wanted = enabled
+
+
+@contextlib.contextmanager
+def _progress(large: bool) -> Iterator[None]:
     from datasets.utils import logging as datasets_logging
 
-    if enabled:
+    if _progress_wanted and large:
         datasets_logging.enable_progress_bar()
     else:
         datasets_logging.disable_progress_bar()
+    yield
 
 
 def load_source(source: str, data: DataConfig, key: str, split: str | None = None) -> Any:
@@ -184,14 +201,16 @@ def _load_files(files: list[str], data: DataConfig, key: str, source: str) -> An
         raise ConfigError(f"{key}: {source} mixes file types ({', '.join(suffixes)}); name files of one type")
     (builder,) = builders
     try:
-        rows = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=data.cache_dir,
-                                     streaming=data.streaming)
+        with _progress(sum(os.path.getsize(f) for f in files) >= LARGE_FILE_BYTES):
+            rows = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=data.cache_dir,
+                                         streaming=data.streaming)
     except Exception as exc:  # parse errors arrive as DatasetGenerationError with the cause chained
         cause = exc.__cause__ or exc.__context__ or exc
         raise ConfigError(f"{key}: cannot read {source} as {builder}: {type(cause).__name__}: "
                           f"{_first_line(cause)}") from None
     if builder == "text":  # one row per line; blank lines are no documents
-        rows = rows.filter(_non_blank, batched=True, input_columns="text")
+        with _progress(not data.streaming and len(rows) >= LARGE_ROWS):
+            rows = rows.filter(_non_blank, batched=True, input_columns="text")
     return rows
 
 
@@ -476,12 +495,15 @@ class _Pipeline:
     def __init__(self, data: DataConfig, tokenizer: PreTrainedTokenizerBase, key: str):
         self.data, self.tokenizer, self.key = data, tokenizer, key
         self.identity = xxhash.xxh64(_tokenizer_identity(tokenizer).encode()).hexdigest() if tokenizer else ""
+        self.cached: list[str] = []  # steps read from the cache
+        self.folder: Path | None = None
+        self.rows = 0
 
     def num_proc(self, rows: Any) -> int | None:
         if self.data.num_proc is not None:
             procs = self.data.num_proc
         else:  # worker start-up costs more than it saves on small data
-            procs = min(os.cpu_count() or 1, 8) if len(rows) >= AUTO_NUM_PROC_ROWS else 1
+            procs = min(os.cpu_count() or 1, 8) if len(rows) >= LARGE_ROWS else 1
         if procs > 1:  # tokenizers in forked workers: one thread each, and no fork warning
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         return procs if procs > 1 else None
@@ -493,34 +515,51 @@ class _Pipeline:
         remove = column_names(rows)
         if isinstance(rows, datasets.IterableDataset):
             source = rows.with_format("arrow") if arrow else rows
+            # here remove_columns also drops the function's output columns of those names
             return source.map(function, batched=True, with_indices=with_indices, fn_kwargs=fn_kwargs,
-                              remove_columns=remove).with_format(None)
+                              remove_columns=[c for c in remove if c not in EXAMPLE_COLUMNS]).with_format(None)
         settings = {k: v for k, v in fn_kwargs.items() if k != "tokenizer"}
         fingerprint = xxhash.xxh64(json.dumps([PIPELINE_VERSION, rows._fingerprint, step, self.identity, settings],
                                               sort_keys=True).encode()).hexdigest()
         folder = Path(rows.cache_files[0]["filename"]).parent if rows.cache_files else None
         cached = folder is not None and any(folder.glob(f"cache-{fingerprint}*.arrow"))
         source = rows.with_format("arrow") if arrow else rows
-        mapped = source.map(function, batched=True, with_indices=with_indices, fn_kwargs=fn_kwargs,
-                            remove_columns=remove, num_proc=None if cached else self.num_proc(rows),
-                            new_fingerprint=fingerprint, desc=f"{self.key}: {step}").with_format(None)
+        with _progress(len(rows) >= LARGE_ROWS):
+            mapped = source.map(function, batched=True, with_indices=with_indices, fn_kwargs=fn_kwargs,
+                                remove_columns=remove, num_proc=self.num_proc(rows), new_fingerprint=fingerprint,
+                                desc=f"{self.key}: {step}").with_format(None)
+        self.rows = len(rows)
         if cached:
-            logger.info("%s: %s: reused the cache in %s", self.key, step, folder)
+            self.cached.append(step)
+            self.folder = folder
         return mapped
+
+    def report(self) -> None:
+        if self.cached:
+            logger.log(logging.INFO if self.rows >= LARGE_ROWS else logging.DEBUG, "%s: %s from the cache in %s",
+                       self.key, " + ".join(self.cached), self.folder)
 
 
 def prepare(rows: Any, data: DataConfig, tokenizer: PreTrainedTokenizerBase | None, key: str) -> Any:
     """Examples for training from a datasets object: tokenized (text, chat or prompt/completion
-    rows) and shaped per ``data.packing``; rows that already hold ``input_ids`` are used as is."""
-    import datasets
-
+    rows) and shaped per ``data.packing``; rows that already hold ``input_ids`` are used as is.
+    Steps read from the cache are logged in one line (at debug level for small data)."""
     kind = data_kind(rows, data, key)
     if kind == "tokens":
         return rows
     if tokenizer is None:
         raise ConfigError(f"{key}: {kind} rows need a tokenizer; pass tokenizer= or set data.tokenizer")
-    streaming = isinstance(rows, datasets.IterableDataset)
     pipeline = _Pipeline(data, tokenizer, key)
+    examples = _tokenize_and_shape(rows, kind, data, tokenizer, key, pipeline)
+    pipeline.report()
+    return examples
+
+
+def _tokenize_and_shape(rows: Any, kind: str, data: DataConfig, tokenizer: PreTrainedTokenizerBase, key: str,
+                        pipeline: _Pipeline) -> Any:
+    import datasets
+
+    streaming = isinstance(rows, datasets.IterableDataset)
     if kind == "text":
         feature = rows.features[data.text_column] if rows.features else None
         if feature is not None and getattr(feature, "dtype", None) not in ("string", "large_string"):
@@ -716,17 +755,31 @@ def check_config(data: DataConfig) -> None:
         raise ConfigError(f"data.eval_split: must be in [0, 1), got {data.eval_split}")
 
 
-def build_datasets(data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> Datasets:
-    """The train dataset, the eval dataset (or None) and the collator for ``data``."""
+def build_datasets(data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int, *, shuffle: bool = True,
+                   rank: int = 0, world_size: int = 1) -> Datasets:
+    """The train dataset, the eval dataset (or None) and the collator for ``data``.
+
+    With ``data.streaming`` the train data is a :class:`ResumableStream` over this process's
+    shard (``rank`` of ``world_size``), shuffled through a buffer of
+    ``data.shuffle_buffer_size`` examples seeded by ``seed`` (``shuffle``).
+    """
     check_config(data)
 
     def from_source(source: str, key: str, split: str | None = None) -> Any:
         if is_callable_spec(source):
             return prepare_given(_call_source(source, key, tokenizer), data, tokenizer, key)
-        return prepare(load_source(source, data, key, split), data, tokenizer, key)
+        rows = load_source(source, data, key, split)
+        if data.streaming and world_size > 1:
+            from datasets.distributed import split_dataset_by_node
+
+            rows = split_dataset_by_node(rows, rank=rank, world_size=world_size)
+        return prepare(rows, data, tokenizer, key)
 
     if data.eval is not None or data.eval_split == 0:
         train = from_source(data.train, "data.train")
+        if data.streaming and is_datasets_object(train):
+            train = ResumableStream(train.shuffle(seed=seed, buffer_size=data.shuffle_buffer_size) if shuffle
+                                    else train)
         evaluation = None if data.eval is None else from_source(data.eval, "data.eval", data.eval_dataset_split)
     else:
         if is_callable_spec(data.train):
@@ -739,6 +792,41 @@ def build_datasets(data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: i
         train = prepare(train_rows, data, tokenizer, "data.train")
         evaluation = prepare(eval_rows, data, tokenizer, "data.eval_split")
     return Datasets(train, evaluation, collator_for(data, tokenizer))
+
+
+class ResumableStream(torch.utils.data.IterableDataset):
+    """A streaming datasets ``IterableDataset`` that counts the examples it has handed out in
+    the current pass, so a checkpoint records the position and a resumed run starts exactly
+    there: it reads the stream again (same seed, same shuffle buffer) and skips what was used.
+    datasets' own ``state_dict()`` would lose the shuffle buffer's contents on resume.
+
+    The count is exact because the DataLoader reads it in this process
+    (``train.dataloader_num_workers = 0``) and takes examples only as batches are needed.
+    """
+
+    def __init__(self, rows: Any):
+        self.rows = rows
+        self.epoch = 0
+        self.position = 0  # examples handed out in this pass
+        self._skip = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        self.rows.set_epoch(self.epoch)  # a new shuffle each pass
+        examples = iter(self.rows)
+        skip, self._skip = self._skip, 0
+        for _ in itertools.islice(examples, skip):
+            pass
+        self.position = skip
+        for example in examples:
+            self.position += 1
+            yield example
+        self.epoch, self.position = self.epoch + 1, 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self._skip = int(state["epoch"]), int(state["position"])
 
 
 def prepare_given(dataset: Any, data: DataConfig, tokenizer: PreTrainedTokenizerBase | None, key: str) -> Any:
