@@ -438,22 +438,26 @@ def _flat_values(column: Any) -> Any:
         column = column.combine_chunks()
     if isinstance(column, (pa.ListArray, pa.LargeListArray)):
         return column.flatten().to_numpy(zero_copy_only=False)
-    return np.concatenate([np.asarray(row, dtype=np.int64) for row in column]) if len(column) else \
-        np.zeros(0, dtype=np.int64)
+    return np.fromiter(itertools.chain.from_iterable(column), dtype=np.int32)
+
+
+def _cut_rows(flats: dict[str, Any], length: int) -> dict[str, Any]:
+    """Token arrays cut into ``[rows, length]`` arrays (the tail is dropped)."""
+    count = len(flats["input_ids"]) // length
+    return {name: flat[: count * length].reshape(count, length) for name, flat in flats.items()}
 
 
 def _pack_concatenated(batch: Any, *, length: int) -> Any:
     """The batch's examples concatenated and cut into rows of ``length`` (the tail is dropped);
     vectorised over the Arrow buffers, no Python list of tokens."""
-    import numpy as np
-    import pyarrow as pa
-
     columns = [name for name in ("input_ids", "labels") if name in batch.column_names]
-    flats = {name: _flat_values(batch[name]) for name in columns}
-    count = len(flats["input_ids"]) // length
-    offsets = pa.array(np.arange(0, count * length + 1, length, dtype=np.int32))
-    return pa.table({name: pa.ListArray.from_arrays(offsets, pa.array(flat[: count * length]))
-                     for name, flat in flats.items()})
+    return _cut_rows({name: _flat_values(batch[name]) for name in columns}, length)
+
+
+def _encode_and_pack(batch: dict[str, list], *, tokenizer: Any, column: str, eos: int, length: int) -> Any:
+    """Text tokenized and packed in one step: no tokenized copy of the corpus is written."""
+    ids = _encode_text(batch, tokenizer=tokenizer, column=column, eos=eos)["input_ids"]
+    return _cut_rows({"input_ids": _flat_values(ids)}, length)
 
 
 def _truncate(batch: dict[str, list], *, length: int) -> dict[str, list]:
@@ -564,6 +568,10 @@ def _tokenize_and_shape(rows: Any, kind: str, data: DataConfig, tokenizer: PreTr
         feature = rows.features[data.text_column] if rows.features else None
         if feature is not None and getattr(feature, "dtype", None) not in ("string", "large_string"):
             raise ConfigError(f"data.text_column: {key} column {data.text_column!r} holds {feature}, expected strings")
+        if data.packing is True:
+            return _nonempty(pipeline.map(rows, _encode_and_pack, "tokenize + pack", tokenizer=tokenizer,
+                                          column=data.text_column, eos=_eos_id(tokenizer), length=data.max_length),
+                             data, key)
         encoded = pipeline.map(rows, _encode_text, "tokenize", tokenizer=tokenizer, column=data.text_column,
                                eos=_eos_id(tokenizer))
     else:
@@ -583,12 +591,7 @@ def _tokenize_and_shape(rows: Any, kind: str, data: DataConfig, tokenizer: PreTr
                                    eos=_eos_id(tokenizer), key=key)
     length = data.max_length
     if data.packing is True:
-        packed = pipeline.map(encoded, _pack_concatenated, "pack", arrow=True, length=length)
-        if not streaming and len(packed) == 0:
-            raise ConfigError(f"{key}: fewer tokens than data.max_length = {length} in any batch of "
-                              f"{MAP_BATCH_SIZE} examples, so packing yields no example; lower data.max_length "
-                              "or set data.packing = false")
-        return packed
+        return _nonempty(pipeline.map(encoded, _pack_concatenated, "pack", arrow=True, length=length), data, key)
     if not streaming:
         encoded = _fit(encoded, data, key, pipeline)
     elif data.truncation == "drop":
@@ -598,6 +601,16 @@ def _tokenize_and_shape(rows: Any, kind: str, data: DataConfig, tokenizer: PreTr
     if data.packing == "document":
         return pipeline.map(encoded, _pack_documents, "pack documents", length=length)
     return encoded
+
+
+def _nonempty(packed: Any, data: DataConfig, key: str) -> Any:
+    import datasets
+
+    if not isinstance(packed, datasets.IterableDataset) and len(packed) == 0:
+        raise ConfigError(f"{key}: fewer tokens than data.max_length = {data.max_length} in any batch of "
+                          f"{MAP_BATCH_SIZE} examples, so packing yields no example; lower data.max_length "
+                          "or set data.packing = false")
+    return packed
 
 
 def _fit(encoded: Any, data: DataConfig, key: str, pipeline: _Pipeline) -> Any:
