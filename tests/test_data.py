@@ -133,6 +133,16 @@ def test_load_source_errors(tmp_path, data, name, content, expected):
         assert part in str(info.value)
 
 
+def test_a_dataset_name_goes_to_load_dataset(tmp_path, monkeypatch, data):
+    monkeypatch.chdir(tmp_path)  # "someone/" is no folder here: a name (the tests run with HF_HUB_OFFLINE)
+    with pytest.raises(ConfigError) as info:
+        load_source("someone/no-such-dataset", data(config="small", split="dev"), "data.train")
+    message = str(info.value)
+    assert message.startswith("data.train: 'someone/no-such-dataset' is no local file or folder, and "
+                              "load_dataset('someone/no-such-dataset', 'small', split='dev') failed: ")
+    assert "\n" not in message
+
+
 def test_missing_column_lists_the_columns(tmp_path, data, tokenizer):
     source = write_jsonl(tmp_path / "a.jsonl", [{"txt": "x", "b": 1}])
     with pytest.raises(ConfigError, match=r"data.text_column: data.train has no column 'text' \(nor input_ids, "
