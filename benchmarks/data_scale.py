@@ -12,6 +12,8 @@ Generates a seeded JSONL of documents of 50-400 words (once; kept in --workdir),
 (c) the yardstick: ``datasets.load_dataset("json")`` + ``map(tokenize, batched=True, num_proc=2)``
     with the same tokenizer and an empty cache.
 
+"of which data" is the time the engine spent in create_datasets (reading, tokenizing, packing
+or reading the cache); the rest of a start is imports, the model and the first step.
 Peak memory is the largest sum of PSS (RSS with shared pages split among the processes that
 share them) over the process and its children (the map workers), sampled every 50 ms. Targets (issue 11): (a) peak <= 1.5 GB and time <= 1.2x (c); (b) <= 10 s; streaming peak < 2 GB.
 """
@@ -36,6 +38,13 @@ ENGINE_CHILD = textwrap.dedent("""
 
     class FirstStep:
         name = "first_step"
+
+        @engine.hookimpl(wrapper=True)
+        def create_datasets(self, run):
+            start = time.perf_counter()
+            built = yield
+            print(f"data seconds {time.perf_counter() - start:.2f}")
+            return built
 
         @engine.hookimpl
         def on_step_end(self, run):
@@ -98,10 +107,12 @@ def save_tokenizer(corpus: Path, folder: Path) -> None:
     train_tokenizer(texts, 1024).save_pretrained(folder)
 
 
-def measure(argv: list[str]) -> tuple[float, float, int]:
-    """(seconds, peak RSS in GB of the process tree, exit status) of a child process."""
+def measure(argv: list[str], log: Path) -> tuple[float, float, int, float | None]:
+    """(seconds, peak memory in GB of the process tree, exit status, seconds in create_datasets
+    if the child printed them) of a child process; its output goes to ``log``."""
     start = time.perf_counter()
-    process = psutil.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    with log.open("w") as out:
+        process = psutil.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     peak = 0
     while process.poll() is None:
         try:
@@ -112,9 +123,11 @@ def measure(argv: list[str]) -> tuple[float, float, int]:
             pass  # a worker ended between listing and reading
         time.sleep(0.05)
     seconds = time.perf_counter() - start
+    output = log.read_text(errors="replace")
     if process.returncode != 0:
-        print(process.stderr.read().decode()[-3000:], file=sys.stderr)
-    return seconds, peak / 1e9, process.returncode
+        print(output[-3000:], file=sys.stderr)
+    data = [float(line.split()[-1]) for line in output.splitlines() if line.startswith("data seconds ")]
+    return seconds, peak / 1e9, process.returncode, data[0] if data else None
 
 
 def main() -> None:
@@ -136,14 +149,16 @@ def main() -> None:
         return [python, "-c", ENGINE_CHILD, str(data), str(tokenizer), str(work / "out" / name),
                 str(work / "cache-engine"), str(steps), "1" if streaming else "0"]
 
-    first = measure(engine_argv("first", corpus, 1, False))
-    second = measure(engine_argv("second", corpus, 1, False))
-    yardstick = measure([python, "-c", YARDSTICK_CHILD, str(corpus), str(tokenizer), str(work / "cache-yardstick")])
+    first = measure(engine_argv("first", corpus, 1, False), work / "first.log")
+    second = measure(engine_argv("second", corpus, 1, False), work / "second.log")
+    yardstick = measure([python, "-c", YARDSTICK_CHILD, str(corpus), str(tokenizer), str(work / "cache-yardstick")],
+                        work / "yardstick.log")
     print(f"corpus: {corpus} ({corpus.stat().st_size / 1e6:.0f} MB)")
-    print(f"{'':38s} {'seconds':>8s} {'peak GB':>8s} {'status':>6s}")
-    for name, (seconds, peak, status) in (("(a) engine, first start", first), ("(b) engine, cached start", second),
-                                          ("(c) datasets load_dataset + map(num_proc=2)", yardstick)):
-        print(f"{name:38s} {seconds:8.1f} {peak:8.2f} {status:6d}")
+    print(f"{'':44s} {'seconds':>8s} {'of which data':>13s} {'peak GB':>8s} {'status':>6s}")
+    for name, (seconds, peak, status, data) in (
+            ("(a) engine, first start", first), ("(b) engine, cached start", second),
+            ("(c) datasets load_dataset + map(num_proc=2)", yardstick)):
+        print(f"{name:44s} {seconds:8.1f} {'' if data is None else f'{data:.1f}':>13s} {peak:8.2f} {status:6d}")
     print(f"first start / yardstick time: {first[0] / yardstick[0]:.2f}x (target <= 1.2x)")
     print(f"first start / yardstick peak RSS: {first[1] / yardstick[1]:.2f}x; engine peak {first[1]:.2f} GB "
           "(target <= 1.5 GB)")
@@ -151,7 +166,7 @@ def main() -> None:
     if args.streaming_gb:
         big = work / f"corpus-{args.streaming_gb:g}gb.jsonl"
         generate(big, int(args.streaming_gb * 10**9), seed=1)
-        seconds, peak, status = measure(engine_argv("streaming", big, 50, True))
+        seconds, peak, status, _ = measure(engine_argv("streaming", big, 50, True), work / "streaming.log")
         print(f"streaming {big.stat().st_size / 1e9:.1f} GB, 50 steps: {seconds:.1f} s, peak {peak:.2f} GB "
               f"(target < 2 GB), status {status}")
 
