@@ -1,6 +1,8 @@
 """Settings and fixtures for every test run from the repository root (tests/, contrib/, plugins/)."""
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 import textwrap
@@ -17,6 +19,13 @@ torch.set_num_threads(1)
 # trackio reads TRACKIO_DIR once, when imported: every test's trackio runs go into one temporary
 # store (tests tell them apart by project), never into the user's ~/.cache
 os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="engine-test-trackio-")
+
+# datasets caches what it reads: a folder of this test session (subprocesses inherit it), not the
+# user's ~/.cache; and nothing asks the Hub.
+_DATASETS_CACHE = tempfile.mkdtemp(prefix="engine-tests-datasets-")
+atexit.register(shutil.rmtree, _DATASETS_CACHE, ignore_errors=True)
+os.environ["HF_DATASETS_CACHE"] = _DATASETS_CACHE
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture

@@ -140,6 +140,8 @@ class TrainConfig:
         "'package.module:function' taking an EvalPrediction and returning a dict of floats"))
     dataloader_num_workers: int = option(0, min=0, help="DataLoader worker processes")
     dataloader_drop_last: bool = option(False, help="drop the last incomplete batch")
+    train_sampling_strategy: Literal["random", "sequential"] = option("random", help=(
+        "order of the training examples: a seeded shuffle each epoch, or the dataset's order"))
     disable_tqdm: bool = option(False, help="no console progress bar")
     log_level: Literal["passive", "debug", "info", "warning", "error", "critical"] = option("passive", help=(
         "log level of the main process for the engine and transformers loggers ('passive': "
@@ -156,13 +158,31 @@ class DataConfig:
     """``[data]``: the tokenizer and the datasets."""
 
     train: str = option("embedded", nonempty=True, help=(
-        "'embedded' (docstrings that ship with Python), a .txt/.jsonl/.json/.parquet file, or "
-        "'package.module:function' taking the tokenizer and returning a torch Dataset"))
+        "'embedded' (docstrings that ship with Python), a local .jsonl/.json/.csv/.parquet/.arrow/.txt "
+        "file, a glob, a folder (of such files, or saved with save_to_disk), a dataset name for "
+        "load_dataset, or 'package.module:function' taking the tokenizer and returning a dataset"))
     eval: str | None = option(None, help="evaluation data, same forms as train")
     eval_split: float = option(0.0, min=0, below=1, help="fraction of the train documents held out for eval when eval is unset")
-    text_column: str = option("text", nonempty=True, help="column holding the text in .jsonl/.json/.parquet files")
+    config: str | None = option(None, help="the configuration (subset) of a dataset name, as load_dataset's name")
+    split: str = option("train", nonempty=True, help="split of a dataset name or saved DatasetDict used for train")
+    eval_dataset_split: str = option("validation", nonempty=True, help=(
+        "split of a dataset name or saved DatasetDict used for eval"))
+    text_column: str = option("text", nonempty=True, help=(
+        "column holding the text (rows with 'messages', 'prompt'/'completion' or 'input_ids' use those)"))
     max_length: int = option(128, min=2, help="tokens per example")
-    packing: bool = option(True, help="concatenate documents and cut into max_length blocks; else pad")
+    packing: bool | Literal["document"] = option(True, help=(
+        "true: concatenate examples and cut max_length rows; false: one padded example per row; "
+        "'document': whole examples packed per row, attention kept within each (padding-free)"))
+    truncation: Literal["truncate", "drop"] = option("truncate", help=(
+        "examples longer than max_length (packing false or 'document'): cut, or left out; counts are logged"))
+    train_on_all_tokens: bool = option(False, help=(
+        "chat and prompt/completion data: learn every token, not only the assistant / completion ones"))
+    num_proc: int | None = option(None, min=1, help=(
+        "processes for tokenizing (default: one per core up to 8 from 50,000 rows, else 1)"))
+    cache_dir: str | None = option(None, help="where datasets caches files and tokenized data (default: HF_DATASETS_CACHE)")
+    streaming: bool = option(False, help=(
+        "read data.train as it trains (tokenized and packed on the fly), for corpora larger than memory"))
+    shuffle_buffer_size: int = option(10_000, min=1, help="streaming: examples in the shuffle buffer")
     tokenizer: str = option("auto", nonempty=True, help=(
         "'auto' (the model folder's tokenizer, else train one), 'train', or a local tokenizer folder"))
     tokenizer_vocab_size: int = option(1024, min=258, help="vocabulary size of a trained tokenizer")

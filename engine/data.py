@@ -1,38 +1,54 @@
-"""Data: documents from text sources, a tokenizer, datasets of token ids and the batch collator.
+"""Data on 🤗 Datasets: sources, a tokenizer, tokenized and packed examples, the batch collators.
 
-``data.train`` / ``data.eval`` name one of three kinds of source:
+``data.train`` / ``data.eval`` name a source (see :func:`load_source`):
 
 * ``"embedded"``: docstrings of Python's own standard library, so a run works with no data;
-* a local ``.txt`` / ``.jsonl`` / ``.json`` / ``.parquet`` file of documents;
-* ``"package.module:function"``: called with the tokenizer, returns a ready torch ``Dataset``.
+* a local ``.jsonl`` / ``.json`` / ``.csv`` / ``.parquet`` / ``.arrow`` / ``.txt`` file, a glob,
+  a folder of such files or a dataset saved with ``save_to_disk``;
+* a dataset name, loaded with ``datasets.load_dataset(name, data.config, split=data.split)``;
+* ``"package.module:function"``: called with the tokenizer, returns a torch or datasets dataset.
 
-Text sources are tokenized into a :class:`PackedDataset` (``data.packing = true``: documents
-joined by eos and cut into ``max_length`` blocks) or a :class:`DocumentDataset` (one padded row
-per document). Examples carry unshifted ``labels``: Hugging Face causal LMs shift them inside.
+Rows hold text (``data.text_column``), a chat (``messages``), ``prompt`` / ``completion``, or
+ready ``input_ids``. They are tokenized and shaped with ``Dataset.map(batched=True)`` over
+Arrow (:func:`prepare`): fingerprinted, cached beside the source's Arrow files, memory-mapped,
+so a second start reads the cache. ``data.packing = true`` concatenates examples and cuts rows
+of ``max_length``; ``false`` keeps one (padded) example per row; ``"document"`` fills rows with
+whole examples whose ``position_ids`` restart, batched padding-free by
+:class:`FlatteningCollator`. Examples carry unshifted ``labels`` (or none: every token is
+learnt): Hugging Face causal LMs shift them inside.
 
-transformers is imported inside the functions that need it, so importing this module stays cheap.
+transformers and datasets are imported inside the functions that need them, so importing this
+module stays cheap.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
+import glob
+import itertools
 import json
+import logging
+import os
 import random
 import sysconfig
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NamedTuple
 
 import torch
-from torch.utils.data import Dataset
+import xxhash
+from torch.utils.data import Dataset as TorchDataset
 
 from .config import DataConfig
 from .errors import ConfigError
 from .loss import IGNORE_INDEX
-from .util import call_user, is_callable_spec, load_callable, require
+from .util import call_user, is_callable_spec, load_callable
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+logger = logging.getLogger("engine")
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -40,8 +56,17 @@ PAD_TOKEN = "<|pad|>"
 MIN_VOCAB_SIZE = 256 + 2
 # Documents are cut by the datasets, not the tokenizer: no "sequence too long" warnings.
 MODEL_MAX_LENGTH = 1 << 40
-TEXT_EXTENSIONS = (".txt", ".jsonl", ".json", ".parquet")
+# file suffix -> the datasets builder that reads it
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow",
+                 ".txt": "text"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+EXAMPLE_COLUMNS = ("input_ids", "labels", "position_ids")  # what the tokenizing steps write
+MAP_BATCH_SIZE = 1000  # Dataset.map's default batch: concatenate-packing cuts within one
+# Below these sizes reading and tokenizing take a second or so: one process, no progress bars,
+# and reading the cache is not worth a line in the console.
+LARGE_ROWS = 50_000
+LARGE_FILE_BYTES = 50 * 10**6
+PIPELINE_VERSION = 1  # part of every cache fingerprint: bump when a map step's output changes
 
 # Pure-Python stdlib modules with plenty of prose in their docstrings; each is present on
 # CPython 3.11+ (one that a distribution leaves out is skipped). Roughly 0.6 MB of text.
@@ -88,104 +113,166 @@ def _embedded_docstrings() -> tuple[str, ...]:
     return tuple(docs)
 
 
-def read_texts(source: str, text_column: str, key: str) -> list[str]:
-    """The documents of ``source``: ``"embedded"`` or a local text file (see module docs).
+def is_datasets_object(obj: Any) -> bool:
+    """A 🤗 ``datasets.Dataset`` or ``IterableDataset`` (checked without importing datasets)."""
+    return type(obj).__module__.startswith("datasets.") and hasattr(obj, "column_names")
 
-    ``key`` is the config key naming the source ("data.train"), used in error messages.
-    """
-    if source == "embedded":
-        return embedded_corpus()
-    path = Path(source)
-    if not path.exists():
-        raise ConfigError(f"{key}: file not found: {source} (expected 'embedded', a "
-                          f"{'/'.join(TEXT_EXTENSIONS)} file or 'package.module:function')")
-    if not path.is_file():
-        raise ConfigError(f"{key}: {source} is not a file")
-    suffix = path.suffix.lower()
-    if suffix not in TEXT_EXTENSIONS:
-        raise ConfigError(f"{key}: unsupported file type {suffix or '(none)'!r} for {source}; "
-                          f"supported: {', '.join(TEXT_EXTENSIONS)}")
-    if suffix == ".parquet":
-        texts = _read_parquet(path, text_column, key)
+
+_progress_wanted = True
+
+
+def show_progress(enabled: bool) -> None:
+    """datasets' progress bars (reading, tokenizing large data) on or off, as the console's
+    (``train.disable_tqdm``)."""
+    global _progress_wanted
+    _progress_wanted = enabled
+
+
+@contextlib.contextmanager
+def _progress(large: bool) -> Iterator[None]:
+    from datasets.utils import logging as datasets_logging
+
+    if _progress_wanted and large:
+        datasets_logging.enable_progress_bar()
     else:
-        try:
-            content = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"{key}: {source} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-        if suffix == ".txt":
-            texts = [line for line in content.splitlines() if line.strip()]
-        elif suffix == ".jsonl":
-            texts = _read_jsonl(content, path, text_column, key)
-        else:
-            texts = _read_json(content, path, text_column, key)
-    if not texts:
-        raise ConfigError(f"{key}: {source} holds no documents")
-    return texts
+        datasets_logging.disable_progress_bar()
+    yield
 
 
-def _read_jsonl(content: str, path: Path, column: str, key: str) -> list[str]:
-    texts = []
-    for lineno, line in enumerate(content.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{key}: JSON syntax error in {path} line {lineno}: {exc.msg}") from None
-        texts.append(_text_of(record, column, key, f"{path} line {lineno}"))
-    return texts
+def load_source(source: str, data: DataConfig, key: str, split: str | None = None) -> Any:
+    """The rows of ``source`` as a ``datasets.Dataset`` (an ``IterableDataset`` with
+    ``data.streaming``): ``"embedded"``, a local file, glob or folder, a dataset saved with
+    ``save_to_disk``, or a dataset name for ``load_dataset`` (with ``data.config``).
+
+    ``key`` is the config key naming the source ("data.train"), used in error messages;
+    ``split`` the split of a dataset name or saved ``DatasetDict`` (default ``data.split``).
+    """
+    import datasets
+
+    split = split or data.split
+    if source == "embedded":
+        rows = datasets.Dataset.from_dict({"text": embedded_corpus()})
+        return rows.to_iterable_dataset() if data.streaming else rows
+    path = Path(source).expanduser()
+    if glob.has_magic(source):
+        files = sorted(p for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+        if not files:
+            raise ConfigError(f"{key}: {source} matches no file")
+        return _load_files(files, data, key, source)
+    if path.is_file():
+        return _load_files([str(path)], data, key, source)
+    if path.is_dir():
+        if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
+            return _load_saved(path, data, key, split)
+        files = sorted(str(p) for p in path.rglob("*") if p.is_file() and p.suffix.lower() in FILE_BUILDERS)
+        if not files:
+            raise ConfigError(f"{key}: folder {source} holds no {'/'.join(FILE_BUILDERS)} file and no "
+                              "dataset saved with save_to_disk")
+        return _load_files(files, data, key, source)
+    if path.suffix.lower() in FILE_BUILDERS or source.startswith((".", "/", "~")) or path.parent.exists() \
+            and path.parent != Path("."):
+        raise ConfigError(f"{key}: file not found: {source} (expected 'embedded', a "
+                          f"{'/'.join(FILE_BUILDERS)} file, a glob, a folder, a dataset name or "
+                          "'package.module:function')")
+    try:  # a dataset name: the Hub (or its cache)
+        return datasets.load_dataset(source, data.config, split=split, cache_dir=data.cache_dir,
+                                     streaming=data.streaming)
+    except Exception as exc:  # datasets raises many kinds; all mean "this name does not load"
+        raise ConfigError(f"{key}: {source!r} is no local file or folder, and load_dataset({source!r}"
+                          f"{', ' + repr(data.config) if data.config else ''}, split={split!r}) failed: "
+                          f"{type(exc).__name__}: {_first_line(exc)}") from None
 
 
-def _read_json(content: str, path: Path, column: str, key: str) -> list[str]:
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _load_files(files: list[str], data: DataConfig, key: str, source: str) -> Any:
+    import datasets
+
+    suffixes = sorted({Path(f).suffix.lower() for f in files})
+    unsupported = [s for s in suffixes if s not in FILE_BUILDERS]
+    if unsupported:
+        raise ConfigError(f"{key}: unsupported file type {unsupported[0] or '(none)'!r} in {source}; "
+                          f"supported: {', '.join(FILE_BUILDERS)}")
+    builders = {FILE_BUILDERS[s] for s in suffixes}
+    if len(builders) > 1:
+        raise ConfigError(f"{key}: {source} mixes file types ({', '.join(suffixes)}); name files of one type")
+    (builder,) = builders
     try:
-        records = json.loads(content)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{key}: JSON syntax error in {path} line {exc.lineno}: {exc.msg}") from None
-    if not isinstance(records, list):
-        raise ConfigError(f"{key}: {path} must hold a JSON list of objects, "
-                          f"got a {type(records).__name__}")
-    return [_text_of(r, column, key, f"{path} item {i}") for i, r in enumerate(records)]
+        with _progress(sum(os.path.getsize(f) for f in files) >= LARGE_FILE_BYTES):
+            rows = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=data.cache_dir,
+                                         streaming=data.streaming)
+    except Exception as exc:  # parse errors arrive as DatasetGenerationError with the cause chained
+        cause = exc.__cause__ or exc.__context__ or exc
+        raise ConfigError(f"{key}: cannot read {source} as {builder}: {type(cause).__name__}: "
+                          f"{_first_line(cause)}") from None
+    if builder == "text":  # one row per line; blank lines are no documents
+        with _progress(not data.streaming and len(rows) >= LARGE_ROWS):
+            rows = rows.filter(_non_blank, batched=True, input_columns="text")
+    return rows
 
 
-def _text_of(record: Any, column: str, key: str, where: str) -> str:
-    if not isinstance(record, dict):
-        raise ConfigError(f"{key}: {where}: expected a JSON object, got {type(record).__name__}")
-    if column not in record:
-        raise ConfigError(f"data.text_column: column {column!r} not in {key} file {where} "
-                          f"(columns: {', '.join(record) or 'none'})")
-    value = record[column]
-    if not isinstance(value, str):
-        raise ConfigError(f"{key}: {where}: column {column!r} holds a {type(value).__name__}, "
-                          "expected a string")
-    return value
+def _non_blank(texts: list[str]) -> list[bool]:
+    return [bool(t.strip()) for t in texts]
 
 
-def _read_parquet(path: Path, column: str, key: str) -> list[str]:
-    require("pyarrow", "pyarrow", "Parquet data")
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+def _load_saved(path: Path, data: DataConfig, key: str, split: str) -> Any:
+    import datasets
 
     try:
-        schema = pq.read_schema(path)
-    except pa.ArrowException as exc:
-        raise ConfigError(f"{key}: cannot read Parquet file {path}: {exc}") from None
-    if column not in schema.names:
-        raise ConfigError(f"data.text_column: column {column!r} not in {key} file {path} "
-                          f"(columns: {', '.join(schema.names)})")
-    field_type = schema.field(column).type
-    if not (pa.types.is_string(field_type) or pa.types.is_large_string(field_type)):
-        raise ConfigError(f"{key}: {path}: column {column!r} has type {field_type}, expected string")
-    values = pq.read_table(path, columns=[column]).column(column)
-    if values.null_count:
-        raise ConfigError(f"{key}: {path}: column {column!r} has {values.null_count} null value(s)")
-    return values.to_pylist()
+        saved = datasets.load_from_disk(str(path))
+    except Exception as exc:
+        raise ConfigError(f"{key}: cannot load the saved dataset in {path}: {_first_line(exc)}") from None
+    if isinstance(saved, datasets.DatasetDict):
+        if split not in saved:
+            raise ConfigError(f"{key}: the saved dataset in {path} has no split {split!r} "
+                              f"(splits: {', '.join(saved)}); set data.split / data.eval_dataset_split")
+        saved = saved[split]
+    return saved.to_iterable_dataset() if data.streaming else saved
 
+
+def column_names(rows: Any) -> list[str]:
+    """The columns of a datasets object; a streaming one without known features is peeked at."""
+    names = rows.column_names
+    if names is None:  # streaming JSON: the columns are known once a row is read
+        first = next(iter(rows.take(1)), None)
+        names = list(first) if first is not None else []
+    return list(names)
+
+
+def data_kind(rows: Any, data: DataConfig, key: str) -> str:
+    """What the rows hold: "tokens" (input_ids), "chat" (messages), "completion" (prompt and
+    completion) or "text" (``data.text_column``); a ConfigError listing the columns otherwise."""
+    names = column_names(rows)
+    if "input_ids" in names:
+        return "tokens"
+    if "messages" in names:
+        return "chat"
+    if "prompt" in names and "completion" in names:
+        return "completion"
+    if data.text_column in names:
+        return "text"
+    raise ConfigError(f"data.text_column: {key} has no column {data.text_column!r} (nor input_ids, messages, "
+                      f"or prompt and completion); its columns: {', '.join(names) or 'none'}")
+
+
+def text_batches(rows: Any, column: str, batch_size: int = 1000) -> Iterator[list[str]]:
+    """The strings of ``column`` in batches (for training a tokenizer without holding them all)."""
+    for batch in rows.iter(batch_size=batch_size):
+        texts = batch[column]
+        if not all(isinstance(t, str) for t in texts):
+            bad = next(t for t in texts if not isinstance(t, str))
+            raise ConfigError(f"data.text_column: column {column!r} holds a {type(bad).__name__}, expected strings")
+        yield texts
 
 # ---------------------------------------------------------------------------- tokenizers
 
 
-def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer trained on ``texts`` (deterministic for the same input).
+def train_tokenizer(texts: Iterable[str] | Iterable[list[str]], vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on ``texts`` (strings, or batches of them: nothing
+    needs to be held at once); deterministic for the same input.
 
     ``<|endoftext|>`` is bos and eos, ``<|pad|>`` is pad; no special tokens are added on encode.
     """
@@ -237,23 +324,316 @@ def load_tokenizer(path: str, key: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def build_tokenizer(data: DataConfig, model_source: str) -> PreTrainedTokenizerBase:
-    """The run's tokenizer per ``data.tokenizer``; ``model_source`` is ``train.model``."""
+def build_tokenizer(data: DataConfig, model_source: str, rows: Any = None) -> PreTrainedTokenizerBase:
+    """The run's tokenizer per ``data.tokenizer``; ``model_source`` is ``train.model``. A trained
+    one learns from ``rows`` (a datasets object given to Run), else from ``data.train``."""
     if data.tokenizer == "auto":
         model_dir = Path(model_source)
         if any((model_dir / name).is_file() for name in TOKENIZER_FILES):
             return load_tokenizer(model_source, "train.model")
     elif data.tokenizer != "train":
         return load_tokenizer(data.tokenizer, "data.tokenizer")
-    if is_callable_spec(data.train):
-        raise ConfigError(f"data.tokenizer = {data.tokenizer!r} trains a tokenizer, which needs text "
-                          f"data, but data.train is the callable {data.train!r}; "
-                          "set data.tokenizer to a tokenizer folder")
-    texts = read_texts(data.train, data.text_column, "data.train")
-    return train_tokenizer(texts, data.tokenizer_vocab_size)
+    if rows is None:
+        if is_callable_spec(data.train):
+            raise ConfigError(f"data.tokenizer = {data.tokenizer!r} trains a tokenizer, which needs text "
+                              f"data, but data.train is the callable {data.train!r}; "
+                              "set data.tokenizer to a tokenizer folder")
+        rows = load_source(data.train, data, "data.train")
+    if data_kind(rows, data, "data.train") != "text":
+        raise ConfigError(f"data.tokenizer = {data.tokenizer!r} trains a tokenizer on the text column "
+                          f"{data.text_column!r}, which data.train lacks; set data.tokenizer to a tokenizer folder")
+    return train_tokenizer(text_batches(rows, data.text_column), data.tokenizer_vocab_size)
 
 
-# ---------------------------------------------------------------------------- datasets
+
+
+# ---------------------------------------------------------------------------- tokenizing
+
+
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
+                where: str) -> tuple[str, list[tuple[int, int]]]:
+    """A conversation rendered with the tokenizer's chat template, and the character spans of
+    its assistant turns (each from after the generation prompt to the end of the turn).
+
+    A turn's span is found by rendering the conversation up to it with the generation prompt
+    and through it: templates render a conversation's prefix as a prefix of its text.
+    """
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+        raise ConfigError(f"{where}: 'messages' must be a list of {{'role': ..., 'content': ...}}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ConfigError(f"{where}: no assistant message, so nothing to learn; roles: "
+                          f"{', '.join(m['role'] for m in messages) or 'none'}")
+
+    def render(turns: list[dict[str, Any]], prompt: bool) -> str:
+        if not turns:
+            return ""
+        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=prompt)
+
+    text = render(messages, False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start, through = render(messages[:i], True), render(messages[: i + 1], False)
+        if not (text.startswith(through) and through.startswith(start)):
+            raise ConfigError(f"{where}: the chat template does not render a conversation's start as the start "
+                              "of its text, so the assistant tokens cannot be found; set data.train_on_all_tokens")
+        spans.append((len(start), len(through)))
+    return text, spans
+
+
+def _labelled(tokenizer: PreTrainedTokenizerBase, text: str, spans: list[tuple[int, int]],
+              all_tokens: bool, eos: int | None) -> tuple[list[int], list[int]]:
+    """Token ids of ``text`` (plus ``eos``) and labels: the ids of tokens starting inside ``spans``
+    (every token with ``all_tokens``), -100 elsewhere; an appended eos counts as inside."""
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = encoded["input_ids"]
+    labels = [token if all_tokens or any(lo <= start < hi for lo, hi in spans) else IGNORE_INDEX
+              for token, (start, _) in zip(ids, encoded["offset_mapping"])]
+    if eos is not None:
+        ids, labels = ids + [eos], labels + [eos]
+    return ids, labels
+
+
+def _encode_text(batch: dict[str, list], *, tokenizer: Any, column: str, eos: int) -> dict[str, list]:
+    texts = batch[column]
+    if not texts:
+        return {"input_ids": []}  # transformers fails on an empty batch
+    # One batched call: a fast tokenizer encodes the batch in parallel in Rust.
+    ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    return {"input_ids": [row + [eos] for row in ids]}
+
+
+def _encode_chat(batch: dict[str, list], indices: list[int], *, tokenizer: Any, all_tokens: bool,
+                 key: str) -> dict[str, list]:
+    out: dict[str, list] = {"input_ids": [], "labels": []}
+    for messages, index in zip(batch["messages"], indices):
+        text, spans = render_chat(tokenizer, messages, f"{key} row {index}")
+        ids, labels = _labelled(tokenizer, text, spans, all_tokens, None)
+        out["input_ids"].append(ids)
+        out["labels"].append(labels)
+    return out
+
+
+def _encode_completion(batch: dict[str, list], indices: list[int], *, tokenizer: Any, all_tokens: bool,
+                       eos: int, key: str) -> dict[str, list]:
+    out: dict[str, list] = {"input_ids": [], "labels": []}
+    for prompt, completion, index in zip(batch["prompt"], batch["completion"], indices):
+        if not (isinstance(prompt, str) and isinstance(completion, str)):
+            raise ConfigError(f"{key} row {index}: 'prompt' and 'completion' must be strings, got "
+                              f"{type(prompt).__name__} and {type(completion).__name__}")
+        ids, labels = _labelled(tokenizer, prompt + completion, [(len(prompt), len(prompt) + len(completion))],
+                                all_tokens, eos)
+        out["input_ids"].append(ids)
+        out["labels"].append(labels)
+    return out
+
+
+def _flat_values(column: Any) -> Any:
+    """The values of a list column (a pyarrow array in arrow format), concatenated, as numpy."""
+    import numpy as np
+    import pyarrow as pa
+
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    if isinstance(column, (pa.ListArray, pa.LargeListArray)):
+        return column.flatten().to_numpy(zero_copy_only=False)
+    return np.fromiter(itertools.chain.from_iterable(column), dtype=np.int32)
+
+
+def _cut_rows(flats: dict[str, Any], length: int) -> dict[str, Any]:
+    """Token arrays cut into ``[rows, length]`` arrays (the tail is dropped)."""
+    count = len(flats["input_ids"]) // length
+    return {name: flat[: count * length].reshape(count, length) for name, flat in flats.items()}
+
+
+def _pack_concatenated(batch: Any, *, length: int) -> Any:
+    """The batch's examples concatenated and cut into rows of ``length`` (the tail is dropped);
+    vectorised over the Arrow buffers, no Python list of tokens."""
+    columns = [name for name in ("input_ids", "labels") if name in batch.column_names]
+    return _cut_rows({name: _flat_values(batch[name]) for name in columns}, length)
+
+
+def _encode_and_pack(batch: dict[str, list], *, tokenizer: Any, column: str, eos: int, length: int) -> Any:
+    """Text tokenized and packed in one step: no tokenized copy of the corpus is written."""
+    ids = _encode_text(batch, tokenizer=tokenizer, column=column, eos=eos)["input_ids"]
+    return _cut_rows({"input_ids": _flat_values(ids)}, length)
+
+
+def _truncate(batch: dict[str, list], *, length: int) -> dict[str, list]:
+    return {name: [row[:length] for row in rows] for name, rows in batch.items()}
+
+
+def _pack_documents(batch: dict[str, list], *, length: int) -> dict[str, list]:
+    """Whole examples (each at most ``length`` tokens) filled in order into rows of at most
+    ``length``, with ``position_ids`` restarting at 0 for each."""
+    names = list(batch)
+    out: dict[str, list] = {name: [] for name in [*names, "position_ids"]}
+    current: dict[str, list] = {name: [] for name in out}
+    for i, ids in enumerate(batch["input_ids"]):
+        if current["input_ids"] and len(current["input_ids"]) + len(ids) > length:
+            for name in out:
+                out[name].append(current[name])
+            current = {name: [] for name in out}
+        for name in names:
+            current[name].extend(batch[name][i])
+        current["position_ids"].extend(range(len(ids)))
+    if current["input_ids"]:
+        for name in out:
+            out[name].append(current[name])
+    return out
+
+
+def _tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
+    if getattr(tokenizer, "is_fast", False):
+        return tokenizer.backend_tokenizer.to_str() + str(getattr(tokenizer, "chat_template", None))
+    from datasets.fingerprint import Hasher
+
+    return Hasher.hash(tokenizer)
+
+
+class _Pipeline:
+    """Dataset.map steps of one source, each fingerprinted from its input and its settings, so a
+    second start with the same data and settings reads the cached Arrow files; says which it did."""
+
+    def __init__(self, data: DataConfig, tokenizer: PreTrainedTokenizerBase, key: str):
+        self.data, self.tokenizer, self.key = data, tokenizer, key
+        self.identity = xxhash.xxh64(_tokenizer_identity(tokenizer).encode()).hexdigest() if tokenizer else ""
+        self.cached: list[str] = []  # steps read from the cache
+        self.folder: Path | None = None
+        self.rows = 0
+
+    def num_proc(self, rows: Any) -> int | None:
+        if self.data.num_proc is not None:
+            procs = self.data.num_proc
+        else:  # worker start-up costs more than it saves on small data
+            procs = min(os.cpu_count() or 1, 8) if len(rows) >= LARGE_ROWS else 1
+        if procs > 1:  # tokenizers in forked workers: one thread each, and no fork warning
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        return procs if procs > 1 else None
+
+    def map(self, rows: Any, function: Callable, step: str, *, with_indices: bool = False,
+            arrow: bool = False, **fn_kwargs: Any) -> Any:
+        import datasets
+
+        remove = column_names(rows)
+        if isinstance(rows, datasets.IterableDataset):
+            source = rows.with_format("arrow") if arrow else rows
+            # here remove_columns also drops the function's output columns of those names
+            return source.map(function, batched=True, with_indices=with_indices, fn_kwargs=fn_kwargs,
+                              remove_columns=[c for c in remove if c not in EXAMPLE_COLUMNS]).with_format(None)
+        settings = {k: v for k, v in fn_kwargs.items() if k != "tokenizer"}
+        fingerprint = xxhash.xxh64(json.dumps([PIPELINE_VERSION, rows._fingerprint, step, self.identity, settings],
+                                              sort_keys=True).encode()).hexdigest()
+        folder = Path(rows.cache_files[0]["filename"]).parent if rows.cache_files else None
+        cached = folder is not None and any(folder.glob(f"cache-{fingerprint}*.arrow"))
+        source = rows.with_format("arrow") if arrow else rows
+        with _progress(len(rows) >= LARGE_ROWS):
+            mapped = source.map(function, batched=True, with_indices=with_indices, fn_kwargs=fn_kwargs,
+                                remove_columns=remove, num_proc=self.num_proc(rows), new_fingerprint=fingerprint,
+                                desc=f"{self.key}: {step}").with_format(None)
+        self.rows = len(rows)
+        if cached:
+            self.cached.append(step)
+            self.folder = folder
+        return mapped
+
+    def report(self) -> None:
+        if self.cached:
+            logger.log(logging.INFO if self.rows >= LARGE_ROWS else logging.DEBUG, "%s: %s from the cache in %s",
+                       self.key, " + ".join(self.cached), self.folder)
+
+
+def prepare(rows: Any, data: DataConfig, tokenizer: PreTrainedTokenizerBase | None, key: str) -> Any:
+    """Examples for training from a datasets object: tokenized (text, chat or prompt/completion
+    rows) and shaped per ``data.packing``; rows that already hold ``input_ids`` are used as is.
+    Steps read from the cache are logged in one line (at debug level for small data)."""
+    kind = data_kind(rows, data, key)
+    if kind == "tokens":
+        return rows
+    if tokenizer is None:
+        raise ConfigError(f"{key}: {kind} rows need a tokenizer; pass tokenizer= or set data.tokenizer")
+    pipeline = _Pipeline(data, tokenizer, key)
+    examples = _tokenize_and_shape(rows, kind, data, tokenizer, key, pipeline)
+    pipeline.report()
+    return examples
+
+
+def _tokenize_and_shape(rows: Any, kind: str, data: DataConfig, tokenizer: PreTrainedTokenizerBase, key: str,
+                        pipeline: _Pipeline) -> Any:
+    import datasets
+
+    streaming = isinstance(rows, datasets.IterableDataset)
+    if kind == "text":
+        feature = rows.features[data.text_column] if rows.features else None
+        if feature is not None and getattr(feature, "dtype", None) not in ("string", "large_string"):
+            raise ConfigError(f"data.text_column: {key} column {data.text_column!r} holds {feature}, expected strings")
+        if data.packing is True:
+            return _nonempty(pipeline.map(rows, _encode_and_pack, "tokenize + pack", tokenizer=tokenizer,
+                                          column=data.text_column, eos=_eos_id(tokenizer), length=data.max_length),
+                             data, key)
+        encoded = pipeline.map(rows, _encode_text, "tokenize", tokenizer=tokenizer, column=data.text_column,
+                               eos=_eos_id(tokenizer))
+    else:
+        if not getattr(tokenizer, "is_fast", False):
+            raise ConfigError(f"{key}: {kind} data needs a fast tokenizer (character offsets find the "
+                              "tokens to learn); this one is slow")
+        if kind == "chat" and not getattr(tokenizer, "chat_template", None):
+            raise ConfigError(f"{key}: chat data (a 'messages' column) needs a tokenizer with a chat template, "
+                              "and this tokenizer has none; set data.tokenizer to a folder whose "
+                              "tokenizer_config.json has one")
+        if kind == "chat":
+            encoded = pipeline.map(rows, _encode_chat, "render chat and tokenize", with_indices=True,
+                                   tokenizer=tokenizer, all_tokens=data.train_on_all_tokens, key=key)
+        else:
+            encoded = pipeline.map(rows, _encode_completion, "tokenize prompt/completion", with_indices=True,
+                                   tokenizer=tokenizer, all_tokens=data.train_on_all_tokens,
+                                   eos=_eos_id(tokenizer), key=key)
+    length = data.max_length
+    if data.packing is True:
+        return _nonempty(pipeline.map(encoded, _pack_concatenated, "pack", arrow=True, length=length), data, key)
+    if not streaming:
+        encoded = _fit(encoded, data, key, pipeline)
+    elif data.truncation == "drop":
+        encoded = encoded.filter(lambda ids: len(ids) <= length, input_columns="input_ids")
+    else:
+        encoded = pipeline.map(encoded, _truncate, "truncate", length=length)
+    if data.packing == "document":
+        return pipeline.map(encoded, _pack_documents, "pack documents", length=length)
+    return encoded
+
+
+def _nonempty(packed: Any, data: DataConfig, key: str) -> Any:
+    import datasets
+
+    if not isinstance(packed, datasets.IterableDataset) and len(packed) == 0:
+        raise ConfigError(f"{key}: fewer tokens than data.max_length = {data.max_length} in any batch of "
+                          f"{MAP_BATCH_SIZE} examples, so packing yields no example; lower data.max_length "
+                          "or set data.packing = false")
+    return packed
+
+
+def _fit(encoded: Any, data: DataConfig, key: str, pipeline: _Pipeline) -> Any:
+    """Examples longer than ``data.max_length`` truncated or dropped (``data.truncation``), counted."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    lengths = pc.list_value_length(encoded.data.column("input_ids")).to_numpy()
+    if len(lengths) == 0:
+        raise ConfigError(f"{key}: no examples")
+    too_long = int((lengths > data.max_length).sum())
+    if too_long == 0:
+        return encoded
+    if data.truncation == "drop":
+        if too_long == len(lengths):
+            raise ConfigError(f"{key}: all {too_long} examples are longer than data.max_length = "
+                              f"{data.max_length}; raise it or set data.truncation = \"truncate\"")
+        logger.info("%s: dropped %d of %d examples longer than data.max_length = %d", key, too_long,
+                    len(lengths), data.max_length)
+        return encoded.select(np.flatnonzero(lengths <= data.max_length))
+    logger.info("%s: truncated %d of %d examples longer than data.max_length = %d", key, too_long,
+                len(lengths), data.max_length)
+    return pipeline.map(encoded, _truncate, "truncate", length=data.max_length)
 
 
 def _eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
@@ -263,59 +643,7 @@ def _eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
     return tokenizer.eos_token_id
 
 
-def _encode(documents: list[str], tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
-    if not documents:
-        return []  # transformers fails on an empty batch
-    # One batched call: a fast tokenizer encodes the batch in parallel in Rust.
-    return tokenizer(documents, add_special_tokens=False, return_attention_mask=False)["input_ids"]
-
-
-class PackedDataset(Dataset):
-    """Documents, each followed by eos, concatenated and cut into blocks of ``max_length``.
-
-    The tail shorter than a block is dropped. All blocks live in one int64 tensor
-    ``[len(self), max_length]``, so no example needs padding.
-    """
-
-    def __init__(self, documents: list[str], tokenizer: PreTrainedTokenizerBase, max_length: int,
-                 key: str = "data.train"):
-        eos = _eos_id(tokenizer)
-        stream: list[int] = []
-        for ids in _encode(documents, tokenizer):
-            stream.extend(ids)
-            stream.append(eos)
-        count = len(stream) // max_length
-        if count == 0:
-            raise ConfigError(f"{key}: {len(stream)} tokens, fewer than data.max_length = {max_length}, "
-                              "so packing yields no example; lower data.max_length or set "
-                              "data.packing = false")
-        self.blocks = torch.tensor(stream[: count * max_length], dtype=torch.long).view(count, max_length)
-
-    def __len__(self) -> int:
-        return self.blocks.shape[0]
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        row = self.blocks[index]
-        return {"input_ids": row, "labels": row}
-
-
-class DocumentDataset(Dataset):
-    """One example per document: its tokens plus eos, truncated to ``max_length``."""
-
-    def __init__(self, documents: list[str], tokenizer: PreTrainedTokenizerBase, max_length: int,
-                 key: str = "data.train"):
-        eos = _eos_id(tokenizer)
-        if not documents:
-            raise ConfigError(f"{key}: no documents")
-        self.rows = [torch.tensor((ids + [eos])[:max_length], dtype=torch.long)
-                     for ids in _encode(documents, tokenizer)]
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        row = self.rows[index]
-        return {"input_ids": row, "labels": row}
+# ---------------------------------------------------------------------------- collators
 
 
 class DataCollator:
@@ -368,53 +696,179 @@ class DataCollator:
         return {"input_ids": input_ids, "labels": label_ids, "attention_mask": attention}
 
 
-def _call_source(spec: str, key: str, tokenizer: PreTrainedTokenizerBase) -> Dataset:
+class FlatteningCollator:
+    """Padding-free batches of document-packed rows (as transformers' DataCollatorWithFlattening):
+    the rows concatenated into one ``[1, tokens]`` row with ``position_ids`` restarting per
+    document; the label of each document's first token is -100, so no document learns from the
+    one before it. The model's attention separates documents by their position_ids."""
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        ids = torch.cat([torch.as_tensor(f["input_ids"], dtype=torch.long) for f in features])
+        positions = torch.cat([torch.as_tensor(f["position_ids"], dtype=torch.long) for f in features])
+        labels = torch.cat([torch.as_tensor(f.get("labels", f["input_ids"]), dtype=torch.long) for f in features])
+        labels = labels.masked_fill(positions == 0, IGNORE_INDEX)
+        return {"input_ids": ids[None], "labels": labels[None], "position_ids": positions[None]}
+
+
+# Attention implementations that keep the documents of a position_ids-packed row apart: flash
+# attention takes them as sequence boundaries, transformers' masking_utils builds a block-diagonal
+# causal mask from them for the others.
+DOCUMENT_PACKING_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+
+
+def enable_document_packing(model: torch.nn.Module) -> None:
+    """Refuse ``data.packing = "document"`` for a model whose attention would mix the documents;
+    else turn its KV cache off (transformers reads packed documents from position_ids only
+    without a cache)."""
+    import inspect
+
+    config = getattr(model, "config", None)
+    implementation = getattr(config, "_attn_implementation", None)
+    takes_positions = "position_ids" in inspect.signature(model.forward).parameters
+    if not takes_positions or implementation not in DOCUMENT_PACKING_ATTENTION:
+        raise ConfigError(
+            f"data.packing = \"document\": the model ({type(model).__name__}, attention "
+            f"{implementation or 'unknown'}) cannot keep packed documents apart: that needs a transformers model "
+            f"taking position_ids with attention {' / '.join(DOCUMENT_PACKING_ATTENTION)}; "
+            "set data.packing = true or false")
+    config.use_cache = False
+
+
+def collator_for(data: DataConfig, tokenizer: PreTrainedTokenizerBase | None) -> Callable[[list[Any]], Any]:
+    if data.packing == "document":
+        return FlatteningCollator()
+    pad_id = getattr(tokenizer, "pad_token_id", None)
+    return DataCollator(pad_id if pad_id is not None else 0)
+
+
+# ---------------------------------------------------------------------------- build_datasets
+
+
+class Datasets(NamedTuple):
+    """What :func:`engine.hookspecs.create_datasets` returns: train data, eval data (None, a
+    dataset or a dict of them) and the collator (None: the engine's default for ``[data]``)."""
+
+    train: Any
+    eval: Any = None
+    collator: Callable[[list[Any]], Any] | None = None
+
+
+def _call_source(spec: str, key: str, tokenizer: PreTrainedTokenizerBase) -> Any:
     dataset = call_user(key, spec, load_callable(spec, key), tokenizer)
-    if not isinstance(dataset, Dataset):  # IterableDataset is a Dataset too
+    if not isinstance(dataset, TorchDataset) and not is_datasets_object(dataset):  # IterableDataset is one too
         raise ConfigError(f"{key}: {spec!r} returned a {type(dataset).__name__}, "
-                          "expected a torch.utils.data.Dataset or IterableDataset")
+                          "expected a torch.utils.data.Dataset or IterableDataset, or a datasets.Dataset")
     return dataset
 
 
-def build_datasets(data: DataConfig, tokenizer: PreTrainedTokenizerBase,
-                   seed: int) -> tuple[Dataset, Dataset | None, DataCollator]:
-    """The train dataset, the eval dataset (or None) and the collator for ``data``."""
+def check_config(data: DataConfig) -> None:
     if data.max_length < 2:
         raise ConfigError(f"data.max_length: must be at least 2, got {data.max_length}")
     if not 0 <= data.eval_split < 1:
         raise ConfigError(f"data.eval_split: must be in [0, 1), got {data.eval_split}")
-    dataset_class = PackedDataset if data.packing else DocumentDataset
 
-    def from_source(source: str, key: str) -> Dataset:
+
+def build_datasets(data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int, *, shuffle: bool = True,
+                   rank: int = 0, world_size: int = 1) -> Datasets:
+    """The train dataset, the eval dataset (or None) and the collator for ``data``.
+
+    With ``data.streaming`` the train data is a :class:`ResumableStream` over this process's
+    shard (``rank`` of ``world_size``), shuffled through a buffer of
+    ``data.shuffle_buffer_size`` examples seeded by ``seed`` (``shuffle``).
+    """
+    check_config(data)
+
+    def from_source(source: str, key: str, split: str | None = None) -> Any:
         if is_callable_spec(source):
-            return _call_source(source, key, tokenizer)
-        texts = read_texts(source, data.text_column, key)
-        return dataset_class(texts, tokenizer, data.max_length, key)
+            return prepare_given(_call_source(source, key, tokenizer), data, tokenizer, key)
+        rows = load_source(source, data, key, split)
+        if data.streaming and world_size > 1:
+            from datasets.distributed import split_dataset_by_node
+
+            rows = split_dataset_by_node(rows, rank=rank, world_size=world_size)
+        return prepare(rows, data, tokenizer, key)
 
     if data.eval is not None or data.eval_split == 0:
         train = from_source(data.train, "data.train")
-        evaluation = None if data.eval is None else from_source(data.eval, "data.eval")
+        if data.streaming and is_datasets_object(train):
+            train = ResumableStream(train.shuffle(seed=seed, buffer_size=data.shuffle_buffer_size) if shuffle
+                                    else train)
+        evaluation = None if data.eval is None else from_source(data.eval, "data.eval", data.eval_dataset_split)
     else:
         if is_callable_spec(data.train):
             raise ConfigError(f"data.eval_split: holds out documents of text data, but data.train is "
                               f"the callable {data.train!r}; set data.eval instead")
-        texts = read_texts(data.train, data.text_column, "data.train")
-        train_texts, eval_texts = _split(texts, data.eval_split, seed)
-        train = dataset_class(train_texts, tokenizer, data.max_length, "data.train")
-        evaluation = dataset_class(eval_texts, tokenizer, data.max_length, "data.eval_split")
-    return train, evaluation, DataCollator(tokenizer.pad_token_id)
+        if data.streaming:
+            raise ConfigError("data.eval_split: holds out documents of a dataset with a length, but data.streaming "
+                              "is true; set data.eval instead")
+        train_rows, eval_rows = _split(load_source(data.train, data, "data.train"), data.eval_split, seed)
+        train = prepare(train_rows, data, tokenizer, "data.train")
+        evaluation = prepare(eval_rows, data, tokenizer, "data.eval_split")
+    return Datasets(train, evaluation, collator_for(data, tokenizer))
 
 
-def _split(texts: list[str], fraction: float, seed: int) -> tuple[list[str], list[str]]:
-    """(train, eval) documents: a seeded random ``fraction`` held out, at least one each side."""
-    if len(texts) < 2:
-        raise ConfigError(f"data.eval_split: data.train has {len(texts)} document(s); holding out "
+class ResumableStream(torch.utils.data.IterableDataset):
+    """A streaming datasets ``IterableDataset`` that counts the examples it has handed out in
+    the current pass, so a checkpoint records the position and a resumed run starts exactly
+    there: it reads the stream again (same seed, same shuffle buffer) and skips what was used.
+    datasets' own ``state_dict()`` would lose the shuffle buffer's contents on resume.
+
+    The count is exact because the DataLoader reads it in this process
+    (``train.dataloader_num_workers = 0``) and takes examples only as batches are needed.
+    """
+
+    def __init__(self, rows: Any):
+        self.rows = rows
+        self.epoch = 0
+        self.position = 0  # examples handed out in this pass
+        self._skip = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        self.rows.set_epoch(self.epoch)  # a new shuffle each pass
+        examples = iter(self.rows)
+        skip, self._skip = self._skip, 0
+        for _ in itertools.islice(examples, skip):
+            pass
+        self.position = skip
+        for example in examples:
+            self.position += 1
+            yield example
+        self.epoch, self.position = self.epoch + 1, 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self._skip = int(state["epoch"]), int(state["position"])
+
+
+def prepare_given(dataset: Any, data: DataConfig, tokenizer: PreTrainedTokenizerBase | None, key: str) -> Any:
+    """A dataset given to Run or returned by a data hook: a datasets object is checked and
+    tokenized like data.train (one with input_ids is used as is); anything else is used as is."""
+    if isinstance(dataset, dict):
+        return {name: prepare_given(d, data, tokenizer, f"{key}[{name!r}]") for name, d in dataset.items()}
+    return prepare(dataset, data, tokenizer, key) if is_datasets_object(dataset) else dataset
+
+
+def needs_tokenizer(dataset: Any, data: DataConfig) -> bool:
+    """Whether ``dataset`` (given to Run) holds rows that the engine tokenizes."""
+    if isinstance(dataset, dict):
+        return any(needs_tokenizer(d, data) for d in dataset.values())
+    return is_datasets_object(dataset) and data_kind(dataset, data, "train_dataset") != "tokens"
+
+
+def _split(rows: Any, fraction: float, seed: int) -> tuple[Any, Any]:
+    """(train, eval) rows: a seeded random ``fraction`` held out, at least one each side."""
+    import numpy as np
+
+    total = len(rows)
+    if total < 2:
+        raise ConfigError(f"data.eval_split: data.train has {total} document(s); holding out "
                           "eval documents needs at least 2; set data.eval instead")
-    count = min(max(1, round(len(texts) * fraction)), len(texts) - 1)
-    order = list(range(len(texts)))
+    count = min(max(1, round(total * fraction)), total - 1)
+    order = list(range(total))
     random.Random(seed).shuffle(order)
-    held_out = set(order[:count])
-    # Both sides keep the file's document order; the DataLoader shuffles training examples.
-    train = [t for i, t in enumerate(texts) if i not in held_out]
-    evaluation = [t for i, t in enumerate(texts) if i in held_out]
-    return train, evaluation
+    held_out = np.zeros(total, dtype=bool)
+    held_out[order[:count]] = True
+    # Both sides keep the file's document order; the sampler shuffles training examples.
+    return rows.select(np.flatnonzero(~held_out)), rows.select(np.flatnonzero(held_out))

@@ -185,6 +185,29 @@ def create_strategy(run: Run) -> Any:
     """
 
 
+@hookspec(firstresult=True)
+def create_datasets(run: Run) -> Any:
+    """Supply the train and eval data: a streaming format, a database, a generator.
+
+    **When**: once in ``run.setup()``, after the tokenizer (``run.tokenizer``) and before the
+    model is built, unless ``Run(train_dataset=...)`` was given. **Combine**: firstresult. The
+    builtin reads ``[data]`` (files, globs, folders, saved datasets, dataset names; tokenized,
+    packed and cached with 🤗 Datasets). Return :class:`engine.data.Datasets` ``(train, eval=None,
+    collator=None)``; a collator of None is the engine's for ``[data]``. The datasets may be torch
+    datasets (map-style or ``IterableDataset``, which needs ``train.max_steps``) or 🤗
+    ``datasets.Dataset`` / ``IterableDataset``: rows with ``input_ids`` are used as is, rows of
+    text, ``messages`` or ``prompt``/``completion`` are tokenized and packed per ``[data]``.
+
+    Example::
+
+        @hookimpl
+        def create_datasets(run):
+            import datasets
+            rows = datasets.Dataset.from_generator(read_my_database)   # rows with a "text" column
+            return Datasets(train=rows)
+    """
+
+
 @hookspec
 def patch_model(run: Run, model: torch.nn.Module) -> Callable[[], None] | None:
     """Patch the freshly built model (kernels, noise, compile, activation checkpointing).

@@ -35,6 +35,7 @@ PROJECT = "engine"  # pluggy's project name: markers set the attribute "engine_i
 BUILTIN_PREFIX = "builtin."
 # "module" registers the module; "module:Class" registers a fresh instance per run.
 BUILTIN_PLUGINS = (
+    "engine.builtin.data",
     "engine.builtin.loss",
     "engine.builtin.optimizers",
     "engine.builtin.schedulers",

@@ -208,16 +208,25 @@ class Run:
             check_model(train, data.max_length)  # its config, before the tokenizer, data and weights load
         else:
             self._check_model("model")
-        needs_text_data = self.train_dataset is None
-        if self.tokenizer is None and (needs_text_data or self.model is None):
-            self.tokenizer = data_mod.build_tokenizer(data, train.model)
-        if needs_text_data:
-            self.train_dataset, built_eval, built_collator = data_mod.build_datasets(data, self.tokenizer, train.seed)
-            self.eval_dataset = self.eval_dataset if self.eval_dataset is not None else built_eval
-            self.data_collator = self.data_collator or built_collator
+        given = self.train_dataset
+        if given is None or data_mod.is_datasets_object(given):
+            data_mod.show_progress(not train.disable_tqdm)
+        if self.tokenizer is None and (given is None or self.model is None or data_mod.needs_tokenizer(given, data)):
+            self.tokenizer = data_mod.build_tokenizer(data, train.model, given if data_mod.is_datasets_object(given)
+                                                      else None)
+        if given is None:
+            data_mod.check_config(data)
+            built = self.hook.create_datasets(run=self)
+            if not isinstance(built, data_mod.Datasets):
+                raise ConfigError(f"create_datasets returned a {type(built).__name__}, expected engine.data.Datasets")
+            self.train_dataset = data_mod.prepare_given(built.train, data, self.tokenizer, "train dataset")
+            self.eval_dataset = self.eval_dataset if self.eval_dataset is not None else built.eval
+            self.data_collator = self.data_collator or built.collator
+        else:
+            self.train_dataset = data_mod.prepare_given(given, data, self.tokenizer, "train_dataset")
+        self.eval_dataset = data_mod.prepare_given(self.eval_dataset, data, self.tokenizer, "eval_dataset")
         if self.data_collator is None:
-            pad_id = getattr(self.tokenizer, "pad_token_id", None)
-            self.data_collator = data_mod.DataCollator(pad_id if pad_id is not None else 0)
+            self.data_collator = data_mod.collator_for(data, self.tokenizer)
         if self.compute_metrics is None and train.compute_metrics:
             from .util import load_callable
 
@@ -227,6 +236,8 @@ class Run:
             with self.strategy.model_init_context():
                 self.model = build_model(train, self.tokenizer)
             self._check_model("train.model")
+        if data.packing == "document":
+            data_mod.enable_document_packing(self.model)
         self.label_shift = shifts_labels(self.model)
         vocab_size = getattr(getattr(self.model, "config", None), "vocab_size", None)
         if vocab_size is not None and self.tokenizer is not None and len(self.tokenizer) > vocab_size:
@@ -287,7 +298,8 @@ class Run:
                 raise ConfigError(f"train.per_device_train_batch_size: {train.per_device_train_batch_size} per device "
                                   f"x {self.strategy.world_size} process(es) is more than the {length} train examples; "
                                   "lower it, or give more data")
-            sampler = EpochSampler(length, train.seed, True, self.strategy.rank, self.strategy.world_size)
+            sampler = EpochSampler(length, train.seed, train.train_sampling_strategy == "random",
+                                   self.strategy.rank, self.strategy.world_size)
         elif train.max_steps <= 0:
             raise ConfigError("train.max_steps: an IterableDataset has no length; set train.max_steps > 0")
         return torch.utils.data.DataLoader(

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+import engine
+
 from engine import hookspecs
 from engine.testing import HOOK_NAMES, HookRecorder, run_steps, tiny_dataset
 
@@ -30,7 +32,13 @@ def test_every_hook_is_called_by_a_run(tmp_path):
               train={"eval_strategy": "steps", "eval_steps": 1, "save_strategy": "steps", "save_steps": 2})
     resumed = HookRecorder()
     run_steps(3, objects=[resumed], output_dir=tmp_path, train={"resume_from_checkpoint": True})
-    called = set(first.names()) | set(resumed.names())
+    from_data = HookRecorder()  # run_steps passes its dataset: the data hook fires for [data] only
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(f"line {i} of a small corpus" for i in range(50)))
+    engine.Run({"train": {"output_dir": str(tmp_path / "data-run")},
+                "data": {"train": str(corpus), "max_length": 8, "tokenizer_vocab_size": 280}},
+               plugins=[from_data]).setup()
+    called = set(first.names()) | set(resumed.names()) | set(from_data.names())
     assert sorted(set(HOOK_NAMES) - called) == []
     assert resumed.count("load_checkpoint_state") == 1 and resumed.count("training_step") == 1
 

@@ -1,6 +1,8 @@
-"""engine.data: text sources, tokenizers, datasets, collator and build_datasets (real files, no mocks)."""
+"""engine.data: sources through 🤗 Datasets, tokenizers, tokenized and packed examples, collators
+and build_datasets (real files read back, no mocks)."""
 
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -12,13 +14,12 @@ import torch
 from engine.config import DataConfig
 from engine.data import (
     DataCollator,
-    DocumentDataset,
-    PackedDataset,
     build_datasets,
     build_tokenizer,
     embedded_corpus,
+    load_source,
     load_tokenizer,
-    read_texts,
+    prepare,
     train_tokenizer,
 )
 from engine.errors import ConfigError
@@ -33,9 +34,19 @@ def tokenizer():
     return train_tokenizer(DOCS, 300)
 
 
+@pytest.fixture
+def data(tmp_path):
+    """``data(**changes)``: a DataConfig whose datasets cache lies in this test's folder."""
+    return lambda **changes: DataConfig(cache_dir=str(tmp_path / "cache"), **changes)
+
+
 def write(path: Path, text: str) -> str:
     path.write_text(text, encoding="utf-8")
     return str(path)
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> str:
+    return write(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def stream_of(docs, tok):
@@ -46,15 +57,19 @@ def stream_of(docs, tok):
     return out
 
 
-# ---------------------------------------------------------------------------- text sources
+def texts_of(rows):
+    return list(rows["text"])
 
 
-def test_import_does_not_load_transformers():
-    code = "import sys, engine.data; assert 'transformers' not in sys.modules"
+# ---------------------------------------------------------------------------- sources
+
+
+def test_import_does_not_load_transformers_or_datasets():
+    code = "import sys, engine.data; assert 'transformers' not in sys.modules and 'datasets' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
-def test_embedded_corpus_is_substantial_and_deterministic():
+def test_embedded_corpus_is_substantial_and_deterministic(data):
     docs = embedded_corpus()
     assert len(docs) > 1000
     assert 400_000 < sum(map(len, docs)) < 1_500_000
@@ -63,55 +78,79 @@ def test_embedded_corpus_is_substantial_and_deterministic():
     assert embedded_corpus() == docs
     docs.clear()  # callers get a copy, the cache is untouched
     assert embedded_corpus()
+    assert texts_of(load_source("embedded", data(), "data.train")) == embedded_corpus()
 
 
-def test_read_texts_formats(tmp_path):
-    pa = pytest.importorskip("pyarrow")
+def test_load_source_files_globs_folders_and_saved_datasets(tmp_path, data):
+    import datasets
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     rows = [{"text": "first doc", "id": 1}, {"text": "second doc", "id": 2}]
-    txt = write(tmp_path / "a.txt", "first doc\n\n  \nsecond doc\n")
-    jsonl = write(tmp_path / "a.jsonl", "\n".join(json.dumps(r) for r in rows) + "\n\n")
-    js = write(tmp_path / "a.json", json.dumps(rows))
-    pq.write_table(pa.table({"body": ["first doc", "second doc"]}), tmp_path / "a.parquet")
-    assert read_texts(txt, "text", "data.train") == ["first doc", "second doc"]
-    assert read_texts(jsonl, "text", "data.train") == ["first doc", "second doc"]
-    assert read_texts(js, "text", "data.train") == ["first doc", "second doc"]
-    assert read_texts(str(tmp_path / "a.parquet"), "body", "data.eval") == ["first doc", "second doc"]
-    assert read_texts("embedded", "text", "data.train") == embedded_corpus()
+    expected = ["first doc", "second doc"]
+    sources = {
+        "txt": write(tmp_path / "a.txt", "first doc\n\n  \nsecond doc\n"),  # blank lines are no documents
+        "jsonl": write_jsonl(tmp_path / "a.jsonl", rows),
+        "json": write(tmp_path / "a.json", json.dumps(rows)),
+        "csv": write(tmp_path / "a.csv", "text,id\nfirst doc,1\nsecond doc,2\n"),
+    }
+    pq.write_table(pa.table({"text": expected}), tmp_path / "a.parquet")
+    sources["parquet"] = str(tmp_path / "a.parquet")
+    datasets.Dataset.from_dict({"text": expected}).save_to_disk(tmp_path / "saved")
+    sources["saved"] = str(tmp_path / "saved")
+    arrow_file = next((tmp_path / "saved").glob("*.arrow"))
+    sources["arrow"] = str(arrow_file)
+    for name, source in sources.items():
+        assert texts_of(load_source(source, data(), "data.train")) == expected, name
+
+    (tmp_path / "shards").mkdir()
+    write_jsonl(tmp_path / "shards" / "b.jsonl", rows[1:])
+    write_jsonl(tmp_path / "shards" / "a.jsonl", rows[:1])
+    assert texts_of(load_source(str(tmp_path / "shards" / "*.jsonl"), data(), "data.train")) == expected
+    assert texts_of(load_source(str(tmp_path / "shards"), data(), "data.train")) == expected
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["t"]}),
+                          "dev": datasets.Dataset.from_dict({"text": ["d"]})}).save_to_disk(tmp_path / "dict")
+    assert texts_of(load_source(str(tmp_path / "dict"), data(), "data.train")) == ["t"]
+    assert texts_of(load_source(str(tmp_path / "dict"), data(), "data.eval", "dev")) == ["d"]
+    with pytest.raises(ConfigError, match=r"data.eval: the saved dataset in .*dict has no split 'validation' "
+                                          r"\(splits: train, dev\)"):
+        load_source(str(tmp_path / "dict"), data(), "data.eval", "validation")
 
 
 @pytest.mark.parametrize("name, content, expected", [
-    ("missing.jsonl", None, ["data.train", "file not found", "missing.jsonl"]),
-    ("a.csv", "text\nx\n", ["data.train", "unsupported file type '.csv'", ".jsonl"]),
-    ("a.jsonl", '{"txt": "x", "b": 1}\n', ["data.text_column", "'text' not in data.train file", "txt, b"]),
-    ("a.json", '[{"txt": "x"}]', ["data.text_column", "'text' not in data.train file", "txt"]),
-    ("a.jsonl", '{"text": "x"}\n{"text": "y",}\n', ["data.train", "JSON syntax error", "line 2"]),
-    ("a.json", '[\n{"text": "x"},\n{"text" "y"}\n]', ["data.train", "JSON syntax error", "line 3"]),
-    ("a.jsonl", '{"text": "x"}\n{"text": 7}\n', ["data.train", "line 2", "holds a int, expected a string"]),
-    ("a.json", '{"text": "x"}', ["data.train", "JSON list of objects"]),
-    ("a.jsonl", '["x"]\n', ["data.train", "expected a JSON object, got list"]),
-    ("a.txt", "\n  \n", ["data.train", "holds no documents"]),
+    ("missing.jsonl", None, ["data.train: file not found: ", "missing.jsonl"]),
+    ("nothing-*.jsonl", None, ["data.train: ", "nothing-*.jsonl matches no file"]),
+    ("a.xml", "<x/>", ["data.train: unsupported file type '.xml'", ".jsonl"]),
+    ("a.jsonl", '{"text": "x"}\n{"text": "y",}\n', ["data.train: cannot read", "as json"]),
 ])
-def test_read_texts_errors(tmp_path, name, content, expected):
+def test_load_source_errors(tmp_path, data, name, content, expected):
     if content is not None:
         write(tmp_path / name, content)
     with pytest.raises(ConfigError) as info:
-        read_texts(str(tmp_path / name), "text", "data.train")
+        load_source(str(tmp_path / name), data(), "data.train")
     for part in expected:
         assert part in str(info.value)
 
 
-def test_read_parquet_errors(tmp_path):
-    pa = pytest.importorskip("pyarrow")
-    import pyarrow.parquet as pq
+def test_a_dataset_name_goes_to_load_dataset(tmp_path, monkeypatch, data):
+    monkeypatch.chdir(tmp_path)  # "someone/" is no folder here: a name (the tests run with HF_HUB_OFFLINE)
+    with pytest.raises(ConfigError) as info:
+        load_source("someone/no-such-dataset", data(config="small", split="dev"), "data.train")
+    message = str(info.value)
+    assert message.startswith("data.train: 'someone/no-such-dataset' is no local file or folder, and "
+                              "load_dataset('someone/no-such-dataset', 'small', split='dev') failed: ")
+    assert "\n" not in message
 
-    pq.write_table(pa.table({"a": ["x"], "b": [1]}), tmp_path / "x.parquet")
-    with pytest.raises(ConfigError, match=r"data.text_column: column 'txt' not in data.eval file .*x.parquet "
-                                          r"\(columns: a, b\)"):
-        read_texts(str(tmp_path / "x.parquet"), "txt", "data.eval")
-    with pytest.raises(ConfigError, match="data.eval: .*column 'b' has type int64, expected string"):
-        read_texts(str(tmp_path / "x.parquet"), "b", "data.eval")
+
+def test_missing_column_lists_the_columns(tmp_path, data, tokenizer):
+    source = write_jsonl(tmp_path / "a.jsonl", [{"txt": "x", "b": 1}])
+    with pytest.raises(ConfigError, match=r"data.text_column: data.train has no column 'text' \(nor input_ids, "
+                                          r"messages, or prompt and completion\); its columns: txt, b"):
+        build_datasets(data(train=source), tokenizer, seed=0)
+    numbers = write_jsonl(tmp_path / "n.jsonl", [{"text": 7}])
+    with pytest.raises(ConfigError, match="data.text_column: data.train column 'text' holds .*int64.*expected strings"):
+        build_datasets(data(train=numbers), tokenizer, seed=0)
 
 
 # ---------------------------------------------------------------------------- tokenizers
@@ -167,54 +206,75 @@ def test_load_tokenizer_without_pad_uses_eos(tmp_path, tokenizer):
     assert loaded.pad_token_id == loaded.eos_token_id
 
 
-def test_build_tokenizer(tmp_path, tokenizer):
+def test_build_tokenizer(tmp_path, tokenizer, data):
     train = write(tmp_path / "train.txt", "\n".join(DOCS))
-    data = DataConfig(train=train, tokenizer="train", tokenizer_vocab_size=280)
-    assert len(build_tokenizer(data, "tiny-llama")) == 280
+    assert len(build_tokenizer(data(train=train, tokenizer="train", tokenizer_vocab_size=280), "tiny-llama")) == 280
 
     # auto: the model folder's tokenizer when it has one, else a trained one
     tokenizer.save_pretrained(tmp_path / "model")
-    auto = DataConfig(train=train, tokenizer="auto", tokenizer_vocab_size=280)
+    auto = data(train=train, tokenizer="auto", tokenizer_vocab_size=280)
     assert len(build_tokenizer(auto, str(tmp_path / "model"))) == 300
     assert len(build_tokenizer(auto, "tiny-llama")) == 280
 
-    folder = DataConfig(train=train, tokenizer=str(tmp_path / "model"))
+    folder = data(train=train, tokenizer=str(tmp_path / "model"))
     assert len(build_tokenizer(folder, "tiny-llama")) == 300
 
-    from_callable = DataConfig(train="some.module:make", tokenizer="train")
+    from_callable = data(train="some.module:make", tokenizer="train")
     with pytest.raises(ConfigError, match="data.tokenizer = 'train' .*needs text data.*set data.tokenizer "
                                           "to a tokenizer folder"):
         build_tokenizer(from_callable, "tiny-llama")
 
 
-# ---------------------------------------------------------------------------- datasets and collator
+# ---------------------------------------------------------------------------- tokenized examples
 
 
-def test_packed_blocks_are_full_and_contiguous(tokenizer):
-    dataset = PackedDataset(DOCS, tokenizer, 16)
+def test_packed_rows_are_full_and_contiguous(tmp_path, data, tokenizer):
+    config = data(train=write(tmp_path / "t.txt", "\n".join(DOCS)), max_length=16)
+    train = build_datasets(config, tokenizer, seed=0).train
     stream = stream_of(DOCS, tokenizer)
-    assert len(dataset) == len(stream) // 16
-    assert dataset.blocks.dtype == torch.int64 and dataset.blocks.shape == (len(dataset), 16)
-    example = dataset[1]
-    assert torch.equal(example["input_ids"], example["labels"])
-    joined = torch.cat([dataset[i]["input_ids"] for i in range(len(dataset))]).tolist()
+    assert len(train) == len(stream) // 16  # all documents in one map batch: only the tail is cut
+    assert train.column_names == ["input_ids"]
+    joined = [token for row in train["input_ids"] for token in row]
     assert joined == stream[: len(joined)]
 
 
-def test_packing_too_little_text(tokenizer):
-    with pytest.raises(ConfigError, match=r"data.eval: \d+ tokens, fewer than data.max_length = 4096.*"
+def test_packing_too_little_text(tmp_path, data, tokenizer):
+    config = data(train=write(tmp_path / "t.txt", "\n".join(DOCS[:2])), max_length=4096)
+    with pytest.raises(ConfigError, match=r"data.train: fewer tokens than data.max_length = 4096.*"
                                           "lower data.max_length or set data.packing = false"):
-        PackedDataset(DOCS[:2], tokenizer, 4096, "data.eval")
+        build_datasets(config, tokenizer, seed=0)
 
 
-def test_document_dataset_truncates_and_appends_eos(tokenizer):
-    dataset = DocumentDataset(["short", DOCS[0]], tokenizer, 8)
-    short = tokenizer("short", add_special_tokens=False)["input_ids"]
-    assert dataset[0]["input_ids"].tolist() == short + [tokenizer.eos_token_id]
-    assert dataset[1]["input_ids"].tolist() == stream_of(DOCS[:1], tokenizer)[:8]
-    assert len(dataset) == 2
-    with pytest.raises(ConfigError, match="data.train: no documents"):
-        DocumentDataset([], tokenizer, 8)
+@pytest.mark.parametrize("truncation", ["truncate", "drop"])
+def test_unpacked_examples_truncated_or_dropped_and_counted(tmp_path, data, tokenizer, caplog, truncation):
+    docs = ["short", DOCS[0], "tiny"]
+    config = data(train=write(tmp_path / "t.txt", "\n".join(docs)), packing=False, max_length=8,
+                  truncation=truncation)
+    with caplog.at_level(logging.INFO, logger="engine"):
+        train = build_datasets(config, tokenizer, seed=0).train
+    rows = train["input_ids"]
+    short = tokenizer("short", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    tiny = tokenizer("tiny", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    if truncation == "truncate":
+        assert rows == [short, stream_of(DOCS[:1], tokenizer)[:8], tiny]
+        assert "data.train: truncated 1 of 3 examples longer than data.max_length = 8" in caplog.text
+    else:
+        assert rows == [short, tiny]
+        assert "data.train: dropped 1 of 3 examples longer than data.max_length = 8" in caplog.text
+
+
+def test_second_start_reuses_the_cache(tmp_path, data, tokenizer, caplog):
+    config = data(train=write_jsonl(tmp_path / "t.jsonl", [{"text": d} for d in DOCS]), max_length=16)
+    first = build_datasets(config, tokenizer, seed=0).train
+    assert list((tmp_path / "cache").rglob("cache-*.arrow"))  # the tokenized rows are on disk
+    with caplog.at_level(logging.DEBUG, logger="engine"):
+        second = build_datasets(config, tokenizer, seed=0).train
+    assert "data.train: tokenize + pack from the cache in" in caplog.text
+    assert second["input_ids"] == first["input_ids"]
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="engine"):  # other settings: tokenized afresh
+        build_datasets(data(train=config.train, max_length=8), tokenizer, seed=0)
+    assert "from the cache" not in caplog.text
 
 
 def test_collator_pads_and_masks():
@@ -235,72 +295,66 @@ def test_collator_pads_and_masks():
     assert masked["attention_mask"].tolist() == [[0, 1], [1, 1]]
 
 
-def test_collator_fast_path_stacks_without_mask(tokenizer):
-    dataset = PackedDataset(DOCS, tokenizer, 16)
-    batch = DataCollator(tokenizer.pad_token_id)([dataset[0], dataset[1]])
+def test_collator_fast_path_stacks_without_mask():
+    rows = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5, 6], "labels": [-100, 5, 6]}]
+    batch = DataCollator(0)(rows)
     assert set(batch) == {"input_ids", "labels"}
-    assert torch.equal(batch["input_ids"], dataset.blocks[:2])
-    assert torch.equal(batch["labels"], dataset.blocks[:2])
-    unlabeled = DataCollator(0)([{"input_ids": [1, 2]}, {"input_ids": [3, 4]}])
-    assert unlabeled["labels"].tolist() == [[1, 2], [3, 4]]
+    assert batch["input_ids"].tolist() == [[1, 2, 3], [4, 5, 6]]
+    assert batch["labels"].tolist() == [[1, 2, 3], [-100, 5, 6]]
 
 
 # ---------------------------------------------------------------------------- build_datasets
 
 
 def decoded_docs(dataset, tok):
-    """Documents back from a DocumentDataset whose rows are not truncated (last token is eos)."""
-    return {tok.decode(dataset[i]["input_ids"][:-1]) for i in range(len(dataset))}
+    """Documents back from unpacked rows that are not truncated (last token is eos)."""
+    return {tok.decode(row[:-1]) for row in dataset["input_ids"]}
 
 
-def test_eval_split_is_deterministic_and_disjoint(tmp_path, tokenizer):
-    data = DataConfig(train=write(tmp_path / "t.txt", "\n".join(DOCS)), eval_split=0.25,
-                      packing=False, max_length=64)
-    train, evaluation, collator = build_datasets(data, tokenizer, seed=1)
+def test_eval_split_is_deterministic_and_disjoint(tmp_path, data, tokenizer):
+    config = data(train=write(tmp_path / "t.txt", "\n".join(DOCS)), eval_split=0.25, packing=False, max_length=64)
+    train, evaluation, collator = build_datasets(config, tokenizer, seed=1)
     train_docs, eval_docs = decoded_docs(train, tokenizer), decoded_docs(evaluation, tokenizer)
     assert len(evaluation) == 10 and len(train) == 30
     assert not train_docs & eval_docs and train_docs | eval_docs == set(DOCS)
     assert collator.pad_token_id == tokenizer.pad_token_id
 
-    again = build_datasets(data, tokenizer, seed=1)[1]
+    again = build_datasets(config, tokenizer, seed=1)[1]
     assert decoded_docs(again, tokenizer) == eval_docs
-    other_seed = build_datasets(data, tokenizer, seed=2)[1]
+    other_seed = build_datasets(config, tokenizer, seed=2)[1]
     assert decoded_docs(other_seed, tokenizer) != eval_docs
 
 
-def test_eval_split_keeps_one_document_each_side(tmp_path, tokenizer):
-    data = DataConfig(train=write(tmp_path / "t.txt", "one doc\nanother doc\n"), eval_split=0.9,
-                      packing=False)
-    train, evaluation, _ = build_datasets(data, tokenizer, seed=0)
+def test_eval_split_keeps_one_document_each_side(tmp_path, data, tokenizer):
+    config = data(train=write(tmp_path / "t.txt", "one doc\nanother doc\n"), eval_split=0.9, packing=False)
+    train, evaluation, _ = build_datasets(config, tokenizer, seed=0)
     assert (len(train), len(evaluation)) == (1, 1)
-    data.train = write(tmp_path / "one.txt", "only doc\n")
+    config.train = write(tmp_path / "one.txt", "only doc\n")
     with pytest.raises(ConfigError, match="data.eval_split: data.train has 1 document"):
-        build_datasets(data, tokenizer, seed=0)
+        build_datasets(config, tokenizer, seed=0)
 
 
-def test_build_datasets_packed_with_eval_file(tmp_path, tokenizer):
-    data = DataConfig(train=write(tmp_path / "t.txt", "\n".join(DOCS)),
-                      eval=write(tmp_path / "e.jsonl", "\n".join(json.dumps({"text": d}) for d in DOCS[:8])),
-                      max_length=16)
-    train, evaluation, collator = build_datasets(data, tokenizer, seed=0)
-    assert isinstance(train, PackedDataset) and isinstance(evaluation, PackedDataset)
-    assert evaluation.blocks.tolist()[0] == stream_of(DOCS[:8], tokenizer)[:16]
-    no_eval = build_datasets(DataConfig(train=data.train, max_length=16), tokenizer, seed=0)[1]
-    assert no_eval is None
+def test_build_datasets_packed_with_eval_file(tmp_path, data, tokenizer):
+    config = data(train=write(tmp_path / "t.txt", "\n".join(DOCS)),
+                  eval=write_jsonl(tmp_path / "e.jsonl", [{"text": d} for d in DOCS[:8]]), max_length=16)
+    train, evaluation, collator = build_datasets(config, tokenizer, seed=0)
+    assert evaluation["input_ids"][0] == stream_of(DOCS[:8], tokenizer)[:16]
+    assert build_datasets(data(train=config.train, max_length=16), tokenizer, seed=0)[1] is None
 
 
 @pytest.mark.parametrize("changes, message", [
     ({"max_length": 1}, "data.max_length: must be at least 2, got 1"),
     ({"eval_split": 1.0}, r"data.eval_split: must be in \[0, 1\), got 1.0"),
     ({"eval_split": -0.1}, r"data.eval_split: must be in \[0, 1\)"),
-    ({"train": "embedded", "max_length": 10**7}, "data.train: .*fewer than data.max_length"),
+    ({"train": "embedded", "max_length": 10**7}, "data.train: fewer tokens than data.max_length"),
+    ({"streaming": True, "eval_split": 0.1}, "data.eval_split: .*data.streaming is true; set data.eval"),
 ])
-def test_build_datasets_config_errors(tokenizer, changes, message):
+def test_build_datasets_config_errors(data, tokenizer, changes, message):
     with pytest.raises(ConfigError, match=message):
-        build_datasets(DataConfig(**changes), tokenizer, seed=0)
+        build_datasets(data(**changes), tokenizer, seed=0)
 
 
-def test_callable_sources(tmp_path, monkeypatch, tokenizer):
+def test_callable_sources(tmp_path, monkeypatch, data, tokenizer):
     (tmp_path / "my_data.py").write_text(
         "import torch\n"
         "from torch.utils.data import TensorDataset, IterableDataset\n"
@@ -311,19 +365,23 @@ def test_callable_sources(tmp_path, monkeypatch, tokenizer):
         "        yield {'input_ids': [1, 2]}\n"
         "def stream(tokenizer):\n"
         "    return Stream()\n"
+        "def texts(tokenizer):\n"
+        "    import datasets\n"
+        "    return datasets.Dataset.from_dict({'text': ['a b c d e f g h i j'] * 4})\n"
         "def wrong(tokenizer):\n"
         "    return [1, 2, 3]\n",
         encoding="utf-8")
     monkeypatch.syspath_prepend(str(tmp_path))
 
-    train, evaluation, _ = build_datasets(DataConfig(train="my_data:make", eval="my_data:stream"),
-                                          tokenizer, seed=0)
+    train, evaluation, _ = build_datasets(data(train="my_data:make", eval="my_data:stream"), tokenizer, seed=0)
     assert len(train) == 3 and train[0][0].tolist() == [tokenizer.eos_token_id] * 4
     assert list(evaluation) == [{"input_ids": [1, 2]}]
+    packed = build_datasets(data(train="my_data:texts", max_length=4), tokenizer, seed=0).train  # tokenized
+    assert packed.column_names == ["input_ids"] and all(len(row) == 4 for row in packed["input_ids"])
 
     with pytest.raises(ConfigError, match="data.eval: 'my_data:wrong' returned a list, expected a torch"):
-        build_datasets(DataConfig(train="my_data:make", eval="my_data:wrong"), tokenizer, seed=0)
+        build_datasets(data(train="my_data:make", eval="my_data:wrong"), tokenizer, seed=0)
     with pytest.raises(ConfigError, match="data.train: module 'my_data' has no attribute 'nope'"):
-        build_datasets(DataConfig(train="my_data:nope"), tokenizer, seed=0)
+        build_datasets(data(train="my_data:nope"), tokenizer, seed=0)
     with pytest.raises(ConfigError, match="data.eval_split: .*callable 'my_data:make'; set data.eval"):
-        build_datasets(DataConfig(train="my_data:make", eval_split=0.1), tokenizer, seed=0)
+        build_datasets(data(train="my_data:make", eval_split=0.1), tokenizer, seed=0)

@@ -140,8 +140,21 @@ CASES = [
      "train.lr_scheduler_kwargs: {'num_cycles': 'half'} do not fit cosine: "),
     ("data function raises", None, ["--set", 'data.train="data_raises:rows"', "--set", 'data.tokenizer="tok"'],
      "data.train: data_raises:rows raised KeyError: 'text'"),
+    # data
+    ("data file missing", None, ["--set", "data.train=missing.jsonl"], "data.train: file not found: missing.jsonl"),
+    ("data glob matches nothing", None, ["--set", 'data.train="shards/*.jsonl"'],
+     "data.train: shards/*.jsonl matches no file"),
+    ("data column missing", None, ["--set", "data.train=rows.jsonl", "--set", 'data.tokenizer="tok"'],
+     "data.text_column: data.train has no column 'text' (nor input_ids, messages, or prompt and completion); "
+     "its columns: body, n"),
+    ("chat without assistant", None, ["--set", "data.train=chat_user_only.jsonl", "--set", 'data.tokenizer="chattok"'],
+     "data.train row 0: no assistant message, so nothing to learn; roles: user"),
+    ("chat without template", None, ["--set", "data.train=chat.jsonl", "--set", 'data.tokenizer="tok"'],
+     "data.train: chat data (a 'messages' column) needs a tokenizer with a chat template"),
 ]
-FILES = {"m.json": "{garbage", "list.json": "[1, 2]", "null.json": "null", "lama.json": '{"model_type": "lama"}',
+CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+FILES = {"rows.jsonl": '{"body": "x", "n": 1}\n', "chat.jsonl": json.dumps({"messages": CHAT}) + "\n",
+         "chat_user_only.jsonl": json.dumps({"messages": CHAT[:1]}) + "\n", "m.json": "{garbage", "list.json": "[1, 2]", "null.json": "null", "lama.json": '{"model_type": "lama"}',
          **MODEL_FACTORIES}
 
 
@@ -152,7 +165,10 @@ def test_a_mistake_is_one_line_exit_2_and_nothing_written(cli, tmp_path, name, r
     if "tok" in " ".join(argv):  # a tokenizer folder, for data that is not text
         from engine.data import train_tokenizer
 
-        train_tokenizer(CORPUS.splitlines(), 300).save_pretrained(tmp_path / "tok")
+        tokenizer = train_tokenizer(CORPUS.splitlines(), 300)
+        tokenizer.save_pretrained(tmp_path / "tok")
+        tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        tokenizer.save_pretrained(tmp_path / "chattok")
     (tmp_path / "garbage_folder").mkdir()
     (tmp_path / "garbage_folder" / "config.json").write_text("{oops")
     tiny_weights = {"w": torch.zeros(2)}
