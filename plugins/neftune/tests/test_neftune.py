@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers.integrations.neftune import neftune_post_forward_hook
 
+import engine
 from engine import ConfigError, hookimpl
 from engine.testing import launch_cases, run_steps, tiny_dataset, tiny_model
 
@@ -80,11 +81,36 @@ def test_the_hook_is_removed_when_training_raises(tmp_path):
     assert not model.get_input_embeddings()._forward_hooks
 
 
-def test_the_loss_falls_with_neftune(tmp_path):
-    run = run_steps(30, plugins=["neftune"], output_dir=tmp_path, model=tiny_model(seed=0),
-                    train={"learning_rate": 3e-2, "logging_steps": 10})
+CHATS = [[{"role": "user", "content": f"what follows {word}?"},
+          {"role": "assistant", "content": f"{word} is followed by {following}"}]
+         for word, following in zip("red green blue cyan pink gold grey teal".split(),
+                                    "green blue cyan pink gold grey teal red".split())]
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_instruction_tuning_on_chat_data_learns_the_answers(tmp_path):
+    """The NEFTune use case: chat rows, loss on the assistant turns only, noise on the embeddings."""
+    import json
+
+    from engine.data import train_tokenizer
+
+    texts = [turn["content"] for chat in CHATS for turn in chat] * 20
+    tokenizer = train_tokenizer(texts, 300)
+    tokenizer.add_tokens(["<|im_start|>", "<|im_end|>"], special_tokens=True)
+    tokenizer.chat_template = TEMPLATE
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in CHATS * 8))
+    run = engine.Run({"plugins": ["neftune"], "train": {
+        "output_dir": str(tmp_path / "out"), "max_steps": 40, "learning_rate": 1e-2, "logging_steps": 10,
+        "per_device_train_batch_size": 8, "save_strategy": "no", "disable_tqdm": True},
+        "data": {"train": str(tmp_path / "chat.jsonl"), "max_length": 64, "packing": False,
+                 "cache_dir": str(tmp_path / "cache")}},
+        model=tiny_model(seed=0, vocab_size=len(tokenizer)), tokenizer=tokenizer)
+    run.train()
+    labels = torch.tensor(run.train_dataset[0]["labels"])
+    assert (labels == -100).any() and (labels != -100).any()  # the prompt is masked, the answer learnt
     losses = [r["loss"] for r in run.state.log_history if "loss" in r]
-    assert losses[-1] < losses[0] - 0.5, losses
+    assert losses[-1] < losses[0] / 2, losses
 
 
 def test_a_model_without_input_embeddings_is_refused_by_class(tmp_path):
