@@ -72,6 +72,10 @@ def create_stable_adamw(run: Any, params: list[dict[str, Any]]) -> torch.optim.O
                                            for group in params for p in group["params"]):
         logger.warning("%s: kahan_sum applies to float16/bfloat16 parameters only and there are none here "
                        "(train.bf16 autocasts, it does not store the weights in bfloat16)", train.optim)
+    if run.strategy.device.type != "cuda":
+        # optimi decides on Triton before it has looked at any parameter (all() of an empty list),
+        # so with triton installed (liger-kernel brings it) it would launch Triton kernels on the CPU
+        kwargs["triton"] = False
     return _optimi(train.optim).StableAdamW(
         params, lr=train.learning_rate, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_epsilon,
         weight_decay=train.weight_decay, **kwargs)
