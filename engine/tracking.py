@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import queue
 import threading
 from typing import Any, Callable
@@ -69,11 +68,6 @@ def scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     """The numbers among ``metrics`` as floats (bools and strings are not scalars to plot)."""
     return {key: float(value) for key, value in metrics.items()
             if isinstance(value, (int, float)) and not isinstance(value, bool)}
-
-
-def finite_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    """``metrics`` without nan and inf, for trackers that refuse them."""
-    return {key: value for key, value in metrics.items() if math.isfinite(value)}
 
 
 def tracker_run_name(run: Any) -> str:
