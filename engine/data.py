@@ -61,6 +61,7 @@ FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "
                  ".txt": "text"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 EXAMPLE_COLUMNS = ("input_ids", "labels", "position_ids")  # what the tokenizing steps write
+STREAMING_TOKENIZER_ROWS = 100_000  # data.streaming: documents a trained tokenizer learns from
 MAP_BATCH_SIZE = 1000  # Dataset.map's default batch: concatenate-packing cuts within one
 # Below these sizes reading and tokenizing take a second or so: one process, no progress bars,
 # and reading the cache is not worth a line in the console.
@@ -342,6 +343,9 @@ def build_tokenizer(data: DataConfig, model_source: str, rows: Any = None) -> Pr
     if data_kind(rows, data, "data.train") != "text":
         raise ConfigError(f"data.tokenizer = {data.tokenizer!r} trains a tokenizer on the text column "
                           f"{data.text_column!r}, which data.train lacks; set data.tokenizer to a tokenizer folder")
+    if data.streaming:  # a corpus larger than memory: its start is sample enough
+        rows = rows.take(STREAMING_TOKENIZER_ROWS)
+        logger.info("data.tokenizer: training on the first %d documents of the stream", STREAMING_TOKENIZER_ROWS)
     return train_tokenizer(text_batches(rows, data.text_column), data.tokenizer_vocab_size)
 
 

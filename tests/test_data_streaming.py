@@ -87,6 +87,17 @@ def test_resumed_stream_sees_the_same_next_batches(tmp_path, corpus, tokenizer):
         assert resumed[step] == whole[step], step
 
 
+def test_tokenizer_trained_on_the_stream_start(tmp_path, corpus, monkeypatch):
+    import engine.data
+
+    monkeypatch.setattr(engine.data, "STREAMING_TOKENIZER_ROWS", 10)
+    config = DataConfig(train=corpus, streaming=True, tokenizer="train", tokenizer_vocab_size=280,
+                        cache_dir=str(tmp_path / "cache"))
+    trained = engine.data.build_tokenizer(config, "tiny-llama")
+    assert trained.get_vocab() == train_tokenizer(DOCS[:10], 280).get_vocab()
+    assert trained.get_vocab() != train_tokenizer(DOCS, 280).get_vocab()  # the cap is what made it so
+
+
 def test_streaming_needs_workers_in_process(tmp_path, corpus):
     with pytest.raises(ConfigError, match="data.streaming: needs train.dataloader_num_workers = 0"):
         engine.Run({"train": {"dataloader_num_workers": 1}, "data": {"train": corpus, "streaming": True}})
