@@ -7,6 +7,8 @@
 * :class:`BackgroundSender` sends a slow client's calls from a thread so steps never wait on
   the network; an error it met is raised on the next call, where the isolated logging hooks
   report it by the plugin's name.
+* :class:`Tracker` is the base of a tracker plugin class: its options, its package checked at
+  configure time, and the backend's run id kept in checkpoints.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import logging
 import queue
 import threading
 from typing import Any, Callable
+
+from . import hookimpl
+from .util import require
 
 logger = logging.getLogger("engine")
 
@@ -120,3 +125,36 @@ class BackgroundSender:
         if self._thread.is_alive():
             raise TimeoutError(f"{self._thread.name}: still sending after {timeout:g} s; the rest is dropped")
         self._raise_error()
+
+
+class Tracker:
+    """Base class of a tracker plugin (the entry point names the subclass: one instance per run).
+
+    Subclasses set ``extra`` (the plugin's name and pip extra), ``package`` (the module its
+    client imports) and ``options`` (the options dataclass), and set ``self.run_id`` to the
+    backend's id of the run once it exists: it is kept in checkpoints, and a resumed run finds it
+    there to continue the same tracker run (None: nothing to keep).
+    """
+
+    extra: str
+    package: str
+    options: type
+
+    def __init__(self):
+        self.run_id: str | None = None
+
+    @hookimpl
+    def plugin_options(self):
+        return self.options
+
+    @hookimpl
+    def configure(self, run):
+        require(self.package, feature=f"plugins = [{self.extra!r}]", extra=self.extra)
+
+    @hookimpl
+    def checkpoint_state(self, run):
+        return {"run_id": self.run_id} if self.run_id else None
+
+    @hookimpl
+    def load_checkpoint_state(self, run, state):
+        self.run_id = state.get("run_id")

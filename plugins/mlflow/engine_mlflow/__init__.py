@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from engine import hookimpl, option, require
-from engine.tracking import BackgroundSender, flatten_config, scalar_metrics, tracker_run_name
+from engine import hookimpl, option
+from engine.tracking import BackgroundSender, Tracker, flatten_config, scalar_metrics, tracker_run_name
 
 logger = logging.getLogger("engine")
 
@@ -45,29 +45,15 @@ class MLflowOptions:
     strict: bool = option(False, help="a tracking failure ends the run (default: reported, then switched off)")
 
 
-class MLflowTracker:
+class MLflowTracker(Tracker):
+    extra, package, options = 'mlflow', 'mlflow', MLflowOptions
+
     def __init__(self):
+        super().__init__()
         self.client = None
-        self.run_id: str | None = None  # also restored from a checkpoint on resume
         self.sender: BackgroundSender | None = None
         self.pending: list = []  # metrics not yet handed to the sender
         self.last_sent = 0.0
-
-    @hookimpl
-    def plugin_options(self):
-        return MLflowOptions
-
-    @hookimpl
-    def configure(self, run):
-        require("mlflow", feature="plugins = ['mlflow']", extra="mlflow")
-
-    @hookimpl
-    def checkpoint_state(self, run):
-        return {"run_id": self.run_id} if self.run_id else None
-
-    @hookimpl
-    def load_checkpoint_state(self, run, state):
-        self.run_id = state.get("run_id")
 
     @hookimpl
     def log_hyperparams(self, run, params):

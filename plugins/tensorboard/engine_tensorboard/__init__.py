@@ -12,8 +12,8 @@ import socket
 from dataclasses import dataclass
 from datetime import datetime
 
-from engine import hookimpl, option, require
-from engine.tracking import flatten_config, scalar_metrics
+from engine import hookimpl, option
+from engine.tracking import Tracker, flatten_config, scalar_metrics
 from engine.util import dumps_json
 
 
@@ -29,17 +29,12 @@ def default_logging_dir(output_dir) -> str:
     return str(output_dir / "runs" / f"{datetime.now():%b%d_%H-%M-%S}_{socket.gethostname()}")
 
 
-class TensorBoardTracker:
+class TensorBoardTracker(Tracker):
+    extra, package, options = 'tensorboard', 'tensorboard', TensorBoardOptions
+
     def __init__(self):
+        super().__init__()  # no run id: a resumed run writes on into a log dir of its own
         self.writer = None
-
-    @hookimpl
-    def plugin_options(self):
-        return TensorBoardOptions
-
-    @hookimpl
-    def configure(self, run):
-        require("tensorboard", feature="plugins = ['tensorboard']", extra="tensorboard")
 
     @hookimpl
     def log_hyperparams(self, run, params):

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine import hookimpl, option, require
-from engine.tracking import scalar_metrics, tracker_run_name
+from engine import hookimpl, option
+from engine.tracking import Tracker, scalar_metrics, tracker_run_name
 
 
 @dataclass
@@ -24,36 +24,24 @@ class TrackioOptions:
     strict: bool = option(False, help="a tracking failure ends the run (default: reported, then switched off)")
 
 
-class TrackioTracker:
+class TrackioTracker(Tracker):
+    extra, package, options = 'trackio', 'trackio', TrackioOptions
+
     def __init__(self):
+        super().__init__()  # run_id: the trackio run's name (trackio resumes runs by name)
         self.trackio_run = None
-        self.resume_name: str | None = None  # from a checkpoint: the run to continue
-
-    @hookimpl
-    def plugin_options(self):
-        return TrackioOptions
-
-    @hookimpl
-    def configure(self, run):
-        require("trackio", feature="plugins = ['trackio']", extra="trackio")
-
-    @hookimpl
-    def checkpoint_state(self, run):
-        return {"run_name": self.trackio_run.name} if self.trackio_run is not None else None
-
-    @hookimpl
-    def load_checkpoint_state(self, run, state):
-        self.resume_name = state.get("run_name")
 
     @hookimpl
     def log_hyperparams(self, run, params):
         import trackio
 
         options = run.config.section("trackio")
+        resuming = self.run_id is not None
         self.trackio_run = trackio.init(
-            project=options.project, name=self.resume_name or options.run_name or tracker_run_name(run),
+            project=options.project, name=self.run_id or options.run_name or tracker_run_name(run),
             space_id=options.space_id, group=options.group, config=params, embed=False,
-            resume="allow" if self.resume_name else "never")
+            resume="allow" if resuming else "never")
+        self.run_id = self.trackio_run.name
 
     @hookimpl
     def log_metrics(self, run, metrics, step):

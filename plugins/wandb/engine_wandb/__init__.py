@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine import hookimpl, option, require
-from engine.tracking import scalar_metrics, tracker_run_name
+from engine import hookimpl, option
+from engine.tracking import Tracker, scalar_metrics, tracker_run_name
 
 
 @dataclass
@@ -27,26 +27,12 @@ class WandbOptions:
     strict: bool = option(False, help="a tracking failure ends the run (default: reported, then switched off)")
 
 
-class WandbTracker:
+class WandbTracker(Tracker):
+    extra, package, options = 'wandb', 'wandb', WandbOptions
+
     def __init__(self):
+        super().__init__()
         self.wandb_run = None
-        self.run_id: str | None = None  # also restored from a checkpoint on resume
-
-    @hookimpl
-    def plugin_options(self):
-        return WandbOptions
-
-    @hookimpl
-    def configure(self, run):
-        require("wandb", feature="plugins = ['wandb']", extra="wandb")
-
-    @hookimpl
-    def checkpoint_state(self, run):
-        return {"run_id": self.run_id} if self.run_id else None
-
-    @hookimpl
-    def load_checkpoint_state(self, run, state):
-        self.run_id = state.get("run_id")
 
     @hookimpl
     def log_hyperparams(self, run, params):
