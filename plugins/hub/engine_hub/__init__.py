@@ -181,6 +181,8 @@ class Hub:
         self.token: str | None = None
         self.latest: Path | None = None  # the newest checkpoint saved
         self.count = 0  # snapshots made, to name them
+        self.submitted: set[int] = set()  # steps whose checkpoint was handed to the pusher
+        self.pushed: list[int] = []  # steps pushed, in order (the final model's too), once the run is over
         self.metrics: dict[str, float] = {}  # the last value of each metric logged, for the model card
 
     @hookimpl
@@ -264,8 +266,11 @@ class Hub:
         if pusher.busy and not options.always_push:
             logger.debug("hub: step %d not pushed: the previous push is still uploading", run.state.global_step)
             return
-        step = run.state.global_step
-        pusher.submit(self._checkpoint_push(run, self.latest, step, options.commit_message.format(step=step)))
+        self._submit(run, pusher, self.latest, run.state.global_step)
+
+    def _submit(self, run, pusher: Pusher, path: Path, step: int) -> None:
+        self.submitted.add(step)
+        pusher.submit(self._checkpoint_push(run, path, step, self.options.commit_message.format(step=step)))
 
     @hookimpl
     def log_metrics(self, metrics):
@@ -278,6 +283,7 @@ class Hub:
             if status == "success":
                 self._push_final(run, pusher)
             pusher.close()
+            self.pushed = pusher.pushed
             shutil.rmtree(run.output_dir / STAGING, ignore_errors=True)
             shutil.rmtree(run.output_dir / DOWNLOAD, ignore_errors=True)
         finally:
@@ -292,12 +298,11 @@ class Hub:
 
     def _push_final(self, run, pusher: Pusher) -> None:
         options, step = self.options, run.state.global_step
-        if self.latest is not None and options.strategy in ("checkpoint", "all_checkpoints") \
-                and self.latest.is_dir() and _saved_step(self.latest) not in pusher.pushed:
-            pusher.wait()  # it may be queued already: pushed after what is queued, so it is last
-            if _saved_step(self.latest) not in pusher.pushed:
-                pusher.submit(self._checkpoint_push(run, self.latest, _saved_step(self.latest),
-                                                    options.commit_message.format(step=_saved_step(self.latest))))
+        latest = self.latest
+        # the newest checkpoint, when its push was skipped (the previous one was uploading)
+        if latest is not None and options.strategy != "end" and latest.is_dir() and \
+                _saved_step(latest) not in self.submitted:
+            self._submit(run, pusher, latest, _saved_step(latest))
         if not run.config.train.save_final_model:
             return
         from engine.checkpoint import final_model_files

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Sequence
 
 from engine.errors import ConfigError
-from engine.layout import FINAL_MARKER, MARKER
+from engine.layout import FINAL_MARKER, MARKER, TMP
 
 # manifests are written last and removed first, so a remote folder with one is complete
 _MARKERS = (MARKER, FINAL_MARKER)
@@ -102,7 +102,10 @@ class FilesystemTarget(Target):
             if parent not in made:
                 self.fs.makedirs(parent, exist_ok=True)
                 made.add(parent)
-            self.fs.put_file(str(folder / name), f"{remote}/{name}")
+            # into place by a rename: a reader never sees half a file (on object stores, a copy)
+            partial = f"{parent}/{TMP}{name.rsplit('/', 1)[-1]}"
+            self.fs.put_file(str(folder / name), partial)
+            self.fs.mv(partial, f"{remote}/{name}")
         for stale in set(existing) - set(names):
             self.fs.rm_file(f"{remote}/{stale}")
 
