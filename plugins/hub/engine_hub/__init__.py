@@ -36,7 +36,7 @@ from engine.layout import FINAL_MARKER, MARKER, TMP
 from engine.rundir import is_main_process
 
 from .card import write_model_card
-from .targets import RemoteMissing, Target, is_filesystem, is_repo_id, open_target
+from .targets import RemoteMissing, Target, describe, is_filesystem, is_repo_id, open_target
 
 logger = logging.getLogger("engine.hub")
 
@@ -127,7 +127,7 @@ class Pusher:
                 logger.debug("hub: pushed step %d to %s", push.step, self.target.description)
                 return
             except Exception as exc:
-                error = self._scrub(f"{type(exc).__name__}: {exc}")
+                error = self._scrub(describe(exc))
                 if attempt < self.retries:
                     delay = self.retry_delay * 2 ** attempt
                     logger.debug("hub: push of step %d failed (%s); retrying in %.1f s", push.step, error, delay)
@@ -229,7 +229,7 @@ class Hub:
         except Exception as exc:
             shutil.rmtree(local, ignore_errors=True)
             raise ConfigError(f"train.resume_from_checkpoint = {spec!r}: cannot download {LAST_CHECKPOINT}/ from "
-                              f"{self.target.description}: {type(exc).__name__}: {exc}") from None
+                              f"{self.target.description}: {describe(exc)}") from None
         logger.info("hub: fetched %s/ from %s", LAST_CHECKPOINT, self.target.description)
         return str(local)
 

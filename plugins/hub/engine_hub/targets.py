@@ -149,7 +149,7 @@ class HubTarget(Target):
             if self.revision:
                 huggingface_hub.create_branch(self.repo_id, branch=self.revision, token=self.token, exist_ok=True)
         except Exception as exc:  # HTTP errors, no connection, refused credentials
-            raise ConfigError(f"hub.repo: cannot create or reach {self.description}: {_first_line(exc)}") from None
+            raise ConfigError(f"hub.repo: cannot create or reach {self.description}: {describe(exc)}") from None
 
     def upload(self, folder: Path, path_in_repo: str, message: str, ignore: Sequence[str] = (),
                replace: bool = False) -> None:
@@ -176,7 +176,8 @@ class HubTarget(Target):
         shutil.rmtree(fetched)
 
 
-def _first_line(exc: BaseException) -> str:
+def describe(exc: BaseException) -> str:
+    """The exception's type and the first line of its message (HTTP errors add lines of advice)."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
