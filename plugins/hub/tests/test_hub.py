@@ -55,9 +55,11 @@ def hub_plugin(run):
     return run.plugin_manager.pm.get_plugin("hub")
 
 
-@pytest.mark.parametrize("strategy", ["end", "every_save", "checkpoint", "all_checkpoints"])
-def test_each_strategy_leaves_exactly_its_tree(tmp_path, strategy):
-    run = hub_run(tmp_path, strategy=strategy)
+@pytest.mark.parametrize("strategy, url", [("end", False), ("every_save", False), ("checkpoint", False),
+                                           ("all_checkpoints", False), ("checkpoint", True)])
+def test_each_strategy_leaves_exactly_its_tree(tmp_path, strategy, url):
+    repo = f"file://{tmp_path / 'remote'}" if url else str(tmp_path / "remote")  # a path or an fsspec URL
+    run = hub_run(tmp_path, strategy=strategy, repo=repo)
     out, remote = tmp_path / "out", tmp_path / "remote"
     expected = set(FINAL_FILES)
     if strategy == "checkpoint":

@@ -93,7 +93,7 @@ def test_pushes_and_resume_through_the_hub_api(tmp_path):
     assert not (second / ".tmp-hub-checkpoint").exists()
 
 
-def test_a_malformed_revision_or_unreachable_hub_is_one_line(tmp_path):
+def test_an_unreachable_hub_is_one_line_before_training(tmp_path):
     env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf"),
            "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_ETAG_TIMEOUT": "2", "HF_HUB_DOWNLOAD_TIMEOUT": "2"}
     (tmp_path / "run.toml").write_text(
