@@ -1,5 +1,5 @@
 """engine-hub: push a run's checkpoints and final model to a model repo, the way Trainer's
-``hub_strategy`` does, in a background thread (steps never wait for an upload).
+``hub_strategy`` does, in a background process (steps never wait for an upload).
 
 Strategies (what the repo holds after the run):
 
@@ -11,6 +11,7 @@ Strategies (what the repo holds after the run):
   ``train.resume_from_checkpoint = "hub"`` resumes from the repo.
 * ``all_checkpoints``: like every_save, and every checkpoint whole as ``checkpoint-<step>/``.
 
+Uploads run in a separate process (engine_hub/worker.py), so they share no GIL with training.
 A push is skipped while the previous one is still uploading (``always_push`` queues it
 instead); the push at the end catches up with the newest checkpoint, waits for everything
 pending and reports failed pushes once. A failed push is retried with backoff and never ends
@@ -21,10 +22,11 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
+import pickle
 import shutil
+import subprocess
+import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -81,71 +83,73 @@ class Push:
 
 
 class Pusher:
-    """A worker thread that uploads pushes in order, retrying each with backoff."""
+    """Hands pushes to the upload process (engine_hub/worker.py: no GIL shared with training),
+    in order; a thread here collects the answers."""
 
     def __init__(self, target: Target, retries: int, retry_delay: float, secret: str | None):
-        self.target, self.retries, self.retry_delay, self.secret = target, retries, retry_delay, secret
-        self.jobs: queue.Queue[Push | None] = queue.Queue()
-        self.pending = 0  # queued or uploading
-        self.lock = threading.Lock()
+        self.target = target
+        self.process = subprocess.Popen([sys.executable, "-m", "engine_hub.worker"], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE)
+        pickle.dump((target, retries, retry_delay, secret), self.process.stdin)
+        self.process.stdin.flush()
+        self.queued: list[Push] = []  # sent, not answered yet
+        self.done = threading.Condition()
         self.failures: list[str] = []
         self.pushed: list[int] = []  # steps pushed, in order
-        self.thread = threading.Thread(target=self._work, name="engine-hub", daemon=True)
-        self.thread.start()
+        self.reader = threading.Thread(target=self._read, name="engine-hub", daemon=True)
+        self.reader.start()
 
     @property
     def busy(self) -> bool:
-        with self.lock:
-            return self.pending > 0
+        with self.done:
+            return bool(self.queued)
 
     def submit(self, push: Push) -> None:
-        with self.lock:
-            self.pending += 1
-        self.jobs.put(push)
+        with self.done:
+            self.queued.append(push)
+        try:
+            pickle.dump(push, self.process.stdin)
+            self.process.stdin.flush()
+        except OSError:  # the upload process is gone: the reader reports what was queued
+            pass
 
-    def _work(self) -> None:
-        while (push := self.jobs.get()) is not None:
+    def _read(self) -> None:
+        while True:
             try:
-                self._push(push)
-            finally:
-                if push.staging is not None:
-                    shutil.rmtree(push.staging, ignore_errors=True)
-                with self.lock:
-                    self.pending -= 1
-                self.jobs.task_done()
+                step, error = pickle.load(self.process.stdout)
+            except (EOFError, OSError, pickle.UnpicklingError):
+                break
+            with self.done:
+                self._answer(self.queued.pop(0), error)
+        status = self.process.wait()
+        with self.done:
+            while self.queued:
+                self._answer(self.queued.pop(0), f"the upload process ended (exit status {status})")
+
+    def _answer(self, push: Push, error: str | None) -> None:
+        if error is None:
+            self.pushed.append(push.step)
+            logger.debug("hub: pushed step %d to %s", push.step, self.target.description)
+        else:
+            self.failures.append(f"{'the final model' if push.final else f'step {push.step}'}: {error}")
+        if push.staging is not None:
+            shutil.rmtree(push.staging, ignore_errors=True)
+        self.done.notify_all()
 
     def wait(self) -> None:
-        """Until every push submitted so far is done (the thread goes on)."""
-        self.jobs.join()
-
-    def _push(self, push: Push) -> None:
-        for attempt in range(self.retries + 1):
-            try:
-                for folder, path_in_repo, ignore, replace in push.parts:
-                    self.target.upload(folder, path_in_repo, push.message, ignore, replace)
-                self.pushed.append(push.step)
-                logger.debug("hub: pushed step %d to %s", push.step, self.target.description)
-                return
-            except Exception as exc:
-                error = self._scrub(describe(exc))
-                if attempt < self.retries:
-                    delay = self.retry_delay * 2 ** attempt
-                    logger.debug("hub: push of step %d failed (%s); retrying in %.1f s", push.step, error, delay)
-                    time.sleep(delay)
-        what = "the final model" if push.final else f"step {push.step}"
-        self.failures.append(f"{what}: {error}")
-
-    def _scrub(self, text: str) -> str:
-        return text.replace(self.secret, "***") if self.secret else text
+        """Until every push submitted so far is answered."""
+        with self.done:
+            self.done.wait_for(lambda: not self.queued)
 
     def close(self) -> None:
-        """Wait for every pending push (with a line saying so), then stop the thread."""
+        """Wait for every pending push (with a line saying so), then end the upload process."""
         if self.busy:
-            logger.info("hub: waiting for %d pending push%s to %s", self.pending, "es" * (self.pending > 1),
+            count = len(self.queued)
+            logger.info("hub: waiting for %d pending push%s to %s", count, "es" * (count > 1),
                         self.target.description)
         self.wait()
-        self.jobs.put(None)
-        self.thread.join()
+        self.process.stdin.close()
+        self.reader.join()
 
 
 def resolve_token(options: HubOptions) -> str | None:
@@ -253,6 +257,11 @@ class Hub:
         elif self.options.strategy == "all_checkpoints":
             parts.append((snapshot, path.name, [], True))
         return Push(step, message, parts, snapshot)
+
+    @hookimpl
+    def on_train_start(self, run):
+        if run.strategy.is_main_process and self.options.strategy != "end":
+            self._start()  # the upload process starts now rather than within a step
 
     @hookimpl
     def on_checkpoint_saved(self, run, path):
