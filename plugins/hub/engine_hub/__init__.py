@@ -93,6 +93,7 @@ class Pusher:
         pickle.dump((target, retries, retry_delay, secret), self.process.stdin)
         self.process.stdin.flush()
         self.queued: list[Push] = []  # sent, not answered yet
+        self.ended: str | None = None  # why the upload process is gone, once it is
         self.done = threading.Condition()
         self.failures: list[str] = []
         self.pushed: list[int] = []  # steps pushed, in order
@@ -106,6 +107,9 @@ class Pusher:
 
     def submit(self, push: Push) -> None:
         with self.done:
+            if self.ended is not None:  # the upload process is gone: nothing will answer
+                self._answer(push, self.ended)
+                return
             self.queued.append(push)
         try:
             pickle.dump(push, self.process.stdin)
@@ -123,8 +127,9 @@ class Pusher:
                 self._answer(self.queued.pop(0), error)
         status = self.process.wait()
         with self.done:
+            self.ended = f"the upload process ended (exit status {status})"
             while self.queued:
-                self._answer(self.queued.pop(0), f"the upload process ended (exit status {status})")
+                self._answer(self.queued.pop(0), self.ended)
 
     def _answer(self, push: Push, error: str | None) -> None:
         if error is None:
@@ -148,7 +153,10 @@ class Pusher:
             logger.info("hub: waiting for %d pending push%s to %s", count, "es" * (count > 1),
                         self.target.description)
         self.wait()
-        self.process.stdin.close()
+        try:
+            self.process.stdin.close()
+        except OSError:  # already gone
+            pass
         self.reader.join()
 
 

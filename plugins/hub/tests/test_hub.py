@@ -4,7 +4,6 @@ stops training, the token is written nowhere, and bad input is one line before t
 
 import logging
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -92,9 +91,7 @@ def test_every_save_pushes_the_model_not_the_training_state_while_training(tmp_p
         @hookimpl
         def on_step_end(self, run):  # the push of step 5 has landed before step 9 looks
             if run.state.global_step == 9:
-                deadline = time.monotonic() + 60
-                while hub_plugin(run).pusher.busy and time.monotonic() < deadline:
-                    time.sleep(0.01)
+                hub_plugin(run).pusher.wait()
                 weights = load_file(tmp_path / "remote" / "model.safetensors")
                 seen.update(files=tree(tmp_path / "remote"), weights={k: v.clone() for k, v in weights.items()})
 
@@ -143,9 +140,7 @@ class Saboteur:
     @hookimpl
     def on_step_end(self, run):
         if run.state.global_step == self.at_step:
-            deadline = time.monotonic() + 60
-            while hub_plugin(run).pusher.busy and time.monotonic() < deadline:
-                time.sleep(0.01)
+            hub_plugin(run).pusher.wait()
             shutil.rmtree(self.remote)
             self.remote.write_text("not a folder any more")
 
@@ -171,6 +166,33 @@ def test_a_target_gone_mid_run_never_stops_training(tmp_path, caplog, capfd):
     for path in [*out.rglob("*"), *tmp_path.glob("*")]:
         if path.is_file():
             assert TOKEN.encode() not in path.read_bytes(), path
+
+
+class Killer:
+    """Kills the upload process after step ``at_step``, once the pushes before are done."""
+
+    name = "killer"
+
+    def __init__(self, at_step):
+        self.at_step = at_step
+
+    @hookimpl
+    def on_step_end(self, run):
+        if run.state.global_step == self.at_step:
+            hub_plugin(run).pusher.wait()
+            process = hub_plugin(run).pusher.process
+            process.kill()
+            process.wait()
+
+
+def test_an_upload_process_killed_mid_run_is_reported_once(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="engine"):
+        run = hub_run(tmp_path, 15, objects=[Killer(7)], strategy="checkpoint")
+    assert run.state.global_step == 15
+    verify_manifest(tmp_path / "out" / "checkpoint-15")
+    failed = [r.getMessage() for r in caplog.records if "hub" in r.getMessage()]
+    assert len(failed) == 1 and "3 push(es)" in failed[0] and "the upload process ended" in failed[0], failed
+    assert hub_plugin(run).pushed == [5]
 
 
 def test_strict_makes_a_failed_push_end_the_run(tmp_path):
