@@ -29,7 +29,8 @@ def test_every_hook_is_called_by_a_run(tmp_path):
     run_steps(2, objects=[first], output_dir=tmp_path, eval_dataset=tiny_dataset(4),
               train={"eval_strategy": "steps", "eval_steps": 1, "save_strategy": "steps", "save_steps": 2})
     resumed = HookRecorder()
-    run_steps(3, objects=[resumed], output_dir=tmp_path, train={"resume_from_checkpoint": True})
+    # a path (rather than true) asks locate_checkpoint first
+    run_steps(3, objects=[resumed], output_dir=tmp_path, train={"resume_from_checkpoint": str(tmp_path / "checkpoint-2")})
     called = set(first.names()) | set(resumed.names())
     assert sorted(set(HOOK_NAMES) - called) == []
     assert resumed.count("load_checkpoint_state") == 1 and resumed.count("training_step") == 1
