@@ -1,9 +1,10 @@
 """The upload process: ``python -m engine_hub.worker``, started by the training process.
 
-Uploads run here rather than in a thread of the training process: a thread copying files holds
-the GIL between its system calls, and the training thread, which gives the GIL up and takes it
-back around every torch operation, then waits for it (a save every 10 steps of a tiny model
-cost 15 % of the step time in a thread, nothing measurable in a process).
+Uploads run here rather than in a thread of the training process so that they share no GIL
+with training (hashing and copying code in the upload libraries then never holds up a step), and
+a library that hangs or crashes takes only this process down. On the tiny-model benchmark
+(benchmarks/hub.py, 2 busy cores) a thread and this process cost the same: there the cost is CPU
+time, not the GIL.
 
 Protocol (pickle over pipes): stdin gets ``(target, retries, retry_delay, secret)`` and then one
 :class:`engine_hub.Push` per push; for each, the process answers ``(step, error or None)`` on
