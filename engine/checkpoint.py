@@ -698,7 +698,8 @@ def find_resume_checkpoint(run: Run, folder_run_id: str | None) -> Path | None:
     """The checkpoint ``train.resume_from_checkpoint`` names, validated; None to start fresh.
 
     ``true`` takes the newest complete checkpoint of the run recorded in output_dir
-    (``folder_run_id``; any run's when the folder has no record). Runs before the model is
+    (``folder_run_id``; any run's when the folder has no record); a string is a path, or a name
+    a plugin's ``locate_checkpoint`` fetches (``"hub"``). Runs before the model is
     built, so a bad checkpoint stops the run before anything loads.
     """
     spec = run.config.train.resume_from_checkpoint
@@ -711,8 +712,8 @@ def find_resume_checkpoint(run: Run, folder_run_id: str | None) -> Path | None:
                         run.output_dir)
             return None
         path = found[-1]
-    else:
-        path = Path(spec)
+    else:  # a plugin may know the name (e.g. "hub") and fetch the checkpoint first
+        path = Path(run.hook.locate_checkpoint(run=run, spec=spec) or spec)
     validate(run, path)
     return path
 

@@ -35,19 +35,22 @@ START_KEYS = ("resume_from_checkpoint", "overwrite_output_dir", "reset_optimizer
 
 def option(default: Any = dataclasses.MISSING, *, help: str, default_factory: Any = dataclasses.MISSING,
            min: float | None = None, max: float | None = None, below: float | None = None,
-           nonempty: bool = False):
+           nonempty: bool = False, secret: bool = False):
     """A dataclass field with a help text (shown by ``engine plan`` and the docs) and its valid range.
 
     ``min`` / ``max`` bound a number inclusively, ``below`` exclusively from above; ``nonempty``
     refuses an empty string. A value outside is refused naming its key and the range
     ("train.adam_beta1: expected float in [0, 1), got 1.5"). Floats must be finite (no nan/inf).
+    ``secret`` marks a credential (a token): :func:`to_mapping` shows a set value as
+    :data:`SECRET_MASK`, so it never reaches the plan, ``hyperparams.json``, checkpoints or trackers.
 
     Example::
 
         rank: int = option(128, help="projection rank", min=1)
         ratio: float = option(0.5, help="share of the tokens", min=0, max=1)
+        token: str | None = option(None, help="access token", secret=True)
     """
-    bounds = {"min": min, "max": max, "below": below, "nonempty": nonempty}
+    bounds = {"min": min, "max": max, "below": below, "nonempty": nonempty, "secret": secret}
     return field(default=default, default_factory=default_factory,
                  metadata={"help": help, **{k: v for k, v in bounds.items() if v is not None and v is not False}})
 
@@ -116,7 +119,8 @@ class TrainConfig:
     save_final_model: bool = option(True, help=(
         "save the final model (HF layout) and tokenizer to output_dir when training ends"))
     resume_from_checkpoint: bool | str | None = option(None, help=(
-        "true: this run's newest checkpoint in output_dir; a path: that checkpoint"))
+        "true: this run's newest checkpoint in output_dir; a path: that checkpoint; a name a plugin "
+        "fetches, e.g. 'hub' (engine-hub: the repo's last-checkpoint/)"))
     overwrite_output_dir: bool = option(False, help=(
         "a fresh run into an output_dir holding another run's checkpoints or final model removes "
         "them first (only what the engine wrote) instead of refusing to start"))
@@ -292,9 +296,16 @@ def _check_bounds(metadata: Any, value: Any, tp: Any, path: str) -> None:
     raise ConfigError(f"{path}: expected {expected}, got {value}")
 
 
+SECRET_MASK = "***"
+
+
 def to_mapping(instance: Any) -> dict[str, Any]:
-    """The dataclass as a plain dict (the inverse of :func:`from_mapping`)."""
-    return dataclasses.asdict(instance)
+    """The dataclass as a plain dict (the inverse of :func:`from_mapping`), secrets masked."""
+    mapping = dataclasses.asdict(instance)
+    for f in dataclasses.fields(instance):
+        if f.metadata.get("secret") and mapping[f.name] is not None:
+            mapping[f.name] = SECRET_MASK
+    return mapping
 
 
 # ---------------------------------------------------------------------------- run files

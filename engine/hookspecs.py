@@ -460,5 +460,27 @@ def on_checkpoint_saved(run: Run, path: str) -> None:
     """
 
 
+@hookspec(firstresult=True)
+def locate_checkpoint(run: Run, spec: str) -> str | None:
+    """Turn ``train.resume_from_checkpoint = spec`` (a string) into a local checkpoint folder.
+
+    **When**: once, while the main process claims ``output_dir`` (before anything loads), when
+    ``resume_from_checkpoint`` is a string. **Combine**: firstresult: the first plugin that
+    knows ``spec`` (a name such as ``"hub"``, a URL) fetches the checkpoint and returns the
+    local folder; None from all means ``spec`` is a local path. The folder returned is validated
+    like any other (files, plugins, data order, every checksum of its manifest) before it is
+    resumed. Raise :class:`engine.errors.ConfigError` when ``spec`` is yours but holds no checkpoint.
+
+    Example::
+
+        @hookimpl
+        def locate_checkpoint(run, spec):
+            if spec.startswith("s3://"):
+                local = run.output_dir / ".tmp-download"
+                download(spec, local)
+                return str(local)
+    """
+
+
 # Every hook, in the order of this module (the order the reference and `engine plan` use).
 HOOK_NAMES = tuple(name for name, value in list(globals().items()) if hasattr(value, "engine_spec"))

@@ -6,7 +6,8 @@
     train(run)
         strategy = create_strategy(run); strategy.setup()   # the process group, if any
         claim output_dir                          # (main process) lock it; fresh run or resume? a
-                                                  #   checkpoint to resume is validated; another
+                                                  #   checkpoint to resume is validated (a named one
+                                                  #   fetched by locate_checkpoint first); another
                                                   #   run's folder is refused (engine/rundir.py)
         run.setup()
             tokenizer, datasets, model            # from [train] / [data], or given to Run

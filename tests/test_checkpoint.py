@@ -93,6 +93,46 @@ def test_resume_from_an_explicit_path_takes_that_checkpoint(tmp_path):
     assert [s for s, _ in _losses(run)] == [1, 2, 3, 4]
 
 
+class Fetcher:
+    """A plugin that knows the checkpoint name "elsewhere": copies ``source`` into output_dir."""
+
+    def __init__(self, source):
+        self.source, self.asked = source, []
+
+    @hookimpl
+    def locate_checkpoint(self, run, spec):
+        self.asked.append(spec)
+        if spec == "elsewhere":
+            local = run.output_dir / "fetched"
+            shutil.copytree(self.source, local)
+            return str(local)
+
+
+def _fetching_run(output_dir, source, stop_at):
+    run = _run(output_dir, {**RESUME, "resume_from_checkpoint": "elsewhere"}, stop_at=stop_at)
+    fetcher = Fetcher(source)
+    run.plugin_manager.pm.register(fetcher, name="fetcher")  # like stop_at: not in the checkpoint's plugin set
+    return run, fetcher
+
+
+def test_locate_checkpoint_fetches_a_named_checkpoint_which_is_validated_like_any(tmp_path):
+    _run(tmp_path / "a", RESUME, stop_at=6).train()
+    run, fetcher = _fetching_run(tmp_path / "b", tmp_path / "a" / "checkpoint-6", stop_at=7)
+    run.train()
+    assert fetcher.asked == ["elsewhere"]
+    assert [s for s, _ in _losses(run)] == list(range(1, 8))  # steps 1-6 from the fetched checkpoint
+    assert json.loads((tmp_path / "b" / "run.json").read_text())["starts"][0]["step"] == 6
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tmp_path / "a" / "checkpoint-6", damaged)
+    weights = bytearray((damaged / "model.safetensors").read_bytes())
+    weights[len(weights) // 2] ^= 0xFF  # same size, one byte of tensor data changed
+    (damaged / "model.safetensors").write_bytes(weights)
+    run, _ = _fetching_run(tmp_path / "c", damaged, stop_at=7)
+    with pytest.raises(CheckpointError, match="model.safetensors does not match its checksum"):
+        run.train()
+
+
 def test_checkpoint_layout_and_trainer_state(tmp_path):
     run = _run(tmp_path, {"max_steps": 2, "save_strategy": "steps", "save_steps": 2}, objects=[])
     run.train()

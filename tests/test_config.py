@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import pytest
 
 from engine.config import (
+    SECRET_MASK,
     DataConfig,
     TrainConfig,
     apply_overrides,
@@ -13,6 +14,7 @@ from engine.config import (
     option,
     parse_value,
     read_run_file,
+    to_mapping,
     to_toml,
 )
 from engine.errors import ConfigError
@@ -126,3 +128,14 @@ def test_to_toml_round_trips_a_composed_config():
     assert parsed["train"]["optim_args"] == "a=1"
     assert "resume_from_checkpoint" not in parsed["train"]  # unset values are comments
     assert compose(parsed, {"noise": NoiseOptions}) .train == config.train
+
+
+def test_a_secret_option_is_masked_in_the_mapping_but_kept_on_the_instance():
+    @dataclass
+    class Options:
+        token: str | None = option(None, help="a credential", secret=True)
+        name: str = option("x", help="not one")
+
+    assert to_mapping(Options(token="hf_abc")) == {"token": SECRET_MASK, "name": "x"}
+    assert to_mapping(Options()) == {"token": None, "name": "x"}  # unset stays visible as unset
+    assert Options(token="hf_abc").token == "hf_abc"

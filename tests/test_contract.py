@@ -31,7 +31,9 @@ def test_every_hook_is_called_by_a_run(tmp_path):
     run_steps(2, objects=[first], output_dir=tmp_path, eval_dataset=tiny_dataset(4),
               train={"eval_strategy": "steps", "eval_steps": 1, "save_strategy": "steps", "save_steps": 2})
     resumed = HookRecorder()
-    run_steps(3, objects=[resumed], output_dir=tmp_path, train={"resume_from_checkpoint": True})
+    # a path (rather than true) asks locate_checkpoint first
+    run_steps(3, objects=[resumed], output_dir=tmp_path,
+              train={"resume_from_checkpoint": str(tmp_path / "checkpoint-2")})
     from_data = HookRecorder()  # run_steps passes its dataset: the data hook fires for [data] only
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(f"line {i} of a small corpus" for i in range(50)))

@@ -31,9 +31,9 @@ def test_plugin_distribution_matches_the_catalogue(folder):
     project = _toml(folder / "pyproject.toml")["project"]
     name = folder.name
     assert project["name"] == f"engine-{name}"
-    # the module, or a class in it (instantiated per run: trackers keep their run's writer)
     (entry,) = project["entry-points"]["engine.plugins"].items()
-    assert entry[0] == name and entry[1].partition(":")[0] == f"engine_{name}"
+    # the package, or a class in it (instantiated per run, for plugins that keep state)
+    assert entry[0] == name and entry[1].partition(":")[0] == f"engine_{name}", entry
     assert "engine" in project["dependencies"]
     assert not any(dep.split("=")[0].split(">")[0].strip() == "torch" and "==" in dep
                    for dep in project["dependencies"]), "torch is pinned only in the dev/CI install"
