@@ -43,7 +43,9 @@ print("ended at", resumed.state.global_step)
 def test_pushes_and_resume_through_the_hub_api(tmp_path):
     hub, server = serve()
     try:
-        env = {**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{server.server_port}", "HF_HOME": str(tmp_path / "hf"),
+        # the root conftest sets HF_HUB_OFFLINE=1 for the suite; this endpoint is a local server
+        env = {**os.environ, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": f"http://127.0.0.1:{server.server_port}",
+               "HF_HOME": str(tmp_path / "hf"),
                "HF_TOKEN": TOKEN, "HF_HUB_DISABLE_TELEMETRY": "1", "OMP_NUM_THREADS": "1"}
         done = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), TOKEN], env=env, capture_output=True,
                               text=True, timeout=600)
@@ -94,7 +96,7 @@ def test_pushes_and_resume_through_the_hub_api(tmp_path):
 
 
 def test_an_unreachable_hub_is_one_line_before_training(tmp_path):
-    env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf"),
+    env = {**os.environ, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf"),
            "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_ETAG_TIMEOUT": "2", "HF_HUB_DOWNLOAD_TIMEOUT": "2"}
     (tmp_path / "run.toml").write_text(
         'plugins = ["hub"]\n[train]\nmax_steps = 2\noutput_dir = "out"\n[hub]\nrepo = "user/model"\n'
