@@ -162,7 +162,7 @@ def run_engine(model, dataset, collator, args, output_dir) -> Result:
             "lr_scheduler_type": "linear", "warmup_steps": 0, "optim": "adamw_torch", "seed": SEED,
             "logging_steps": args.steps, "save_strategy": "no", "eval_strategy": "no",
             "disable_tqdm": not args.bar, "use_cpu": True, "dataloader_num_workers": 0,
-        }},
+        }, "data": {"max_length": args.seq_len}},
         model=model, train_dataset=dataset, data_collator=collator, plugins=[StepClock(result.stamps)])
     summary = run.train()
     result.train_loss = summary["train_loss"]
