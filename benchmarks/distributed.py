@@ -40,6 +40,8 @@ import sys
 import time
 from pathlib import Path
 
+from engine_clock import StepClock
+
 LEARNING_RATE = 1e-4
 SEED = 42
 
@@ -117,19 +119,7 @@ def run_by_hand(strategy, base, dataset, device, args):
 def run_engine(strategy, base, dataset, args, round_index):
     import engine
 
-    stamps, losses = [], []
-
-    class Clock:
-        name = "bench_clock"
-
-        @engine.hookimpl
-        def on_step_end(self, run):
-            stamps.append(time.perf_counter())
-
-        @engine.hookimpl
-        def log_metrics(self, run, metrics):
-            if "loss" in metrics:
-                losses.append(metrics["loss"])
+    clock = StepClock()
 
     sections = {"deepspeed": {"zero_stage": args.zero_stage}} if strategy == "deepspeed" else {}
     config = {"plugins": [strategy], **sections, "train": {
@@ -142,9 +132,9 @@ def run_engine(strategy, base, dataset, args, round_index):
 
     started = time.perf_counter()
     run = engine.Run(config, model=copy.deepcopy(base), train_dataset=dataset, data_collator=DataCollator(0),
-                     plugins=[Clock()])
+                     plugins=[clock])
     run.train()
-    return started, stamps, losses[-1] if losses else float("nan")
+    return started, clock.stamps, clock.losses[-1] if clock.losses else float("nan")
 
 
 def worker(args):

@@ -27,7 +27,8 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
+
+from engine_clock import StepClock
 
 CONFIG = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
           "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
@@ -42,20 +43,7 @@ def measure(variant: str, batch: int, args) -> dict:
     from engine.data import DataCollator
     from engine.testing import TokenDataset
 
-    stamps, losses = [], []
-
-    class Clock:
-        name = "clock"
-
-        @engine.hookimpl
-        def on_step_end(self, run):
-            torch.cuda.synchronize()
-            stamps.append(time.perf_counter())
-
-        @engine.hookimpl
-        def log_metrics(self, run, metrics):
-            if "loss" in metrics:
-                losses.append(metrics["loss"])
+    clock = StepClock(synchronize=torch.cuda.synchronize)
 
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).to(torch.bfloat16)
@@ -66,7 +54,8 @@ def measure(variant: str, batch: int, args) -> dict:
         "output_dir": tempfile.mkdtemp(prefix="engine-liger-")}, "data": {"max_length": args.seq_len}}
     torch.cuda.reset_peak_memory_stats()
     engine.Run(config, model=model, train_dataset=TokenDataset(rows), data_collator=DataCollator(0),
-               plugins=[Clock()]).train()
+               plugins=[clock]).train()
+    stamps, losses = clock.stamps, clock.losses
     seconds = stamps[-1] - stamps[args.warmup - 1]
     tokens = batch * args.seq_len * (len(stamps) - args.warmup)
     return {"losses": losses, "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "tokens_per_s": tokens / seconds}

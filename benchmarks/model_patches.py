@@ -27,12 +27,13 @@ import subprocess
 import sys
 import tempfile
 
+from engine_clock import StepClock
+
 VARIANTS = {"plain": {}, "checkpointing": {"activation_checkpointing": True}, "compile": {"torch_compile": True}}
 
 
 def measure(args) -> dict:
     import resource
-    import time
 
     import torch
 
@@ -40,19 +41,7 @@ def measure(args) -> dict:
     from engine.data import DataCollator
     from engine.testing import tiny_dataset
 
-    stamps, losses = [], []
-
-    class Clock:
-        name = "clock"
-
-        @engine.hookimpl
-        def on_step_end(self, run):
-            stamps.append(time.perf_counter())
-
-        @engine.hookimpl
-        def log_metrics(self, run, metrics):
-            if "loss" in metrics:
-                losses.append(metrics["loss"])
+    clock = StepClock()
 
     import transformers
 
@@ -66,14 +55,15 @@ def measure(args) -> dict:
              "disable_tqdm": True, "log_level": "warning", "output_dir": tempfile.mkdtemp(prefix="engine-patches-"),
              **VARIANTS[args.variant]}
     run = engine.Run({"train": train, "data": {"max_length": args.seq_len}}, model=model, train_dataset=dataset,
-                     data_collator=DataCollator(0), plugins=[Clock()])
+                     data_collator=DataCollator(0), plugins=[clock])
     run.train()
+    stamps = clock.stamps
     steps = [b - a for a, b in zip(stamps[args.warmup:], stamps[args.warmup + 1:])]
     if torch.cuda.is_available():
         peak = torch.cuda.max_memory_allocated() / 2**20
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"peak_mib": peak, "steps_per_s": len(steps) / sum(steps), "loss": losses[-1]}
+    return {"peak_mib": peak, "steps_per_s": len(steps) / sum(steps), "loss": clock.losses[-1]}
 
 
 def main():

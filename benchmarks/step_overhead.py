@@ -55,6 +55,7 @@ import transformers
 import engine
 from engine.data import DataCollator
 from engine.testing import tiny_dataset
+from engine_clock import StepClock
 
 LEARNING_RATE = 1e-3
 MAX_GRAD_NORM = 1.0
@@ -138,19 +139,6 @@ def run_plain(model, dataset, collator, args, output_dir) -> Result:
                 break
     result.train_loss = float(total_loss) / step
     return result
-
-
-class StepClock:
-    """An engine plugin that only records when each optimizer step ended."""
-
-    name = "step_clock"
-
-    def __init__(self, stamps: list[float]):
-        self.stamps = stamps
-
-    @engine.hookimpl
-    def on_step_end(self, run):
-        self.stamps.append(time.perf_counter())
 
 
 def run_engine(model, dataset, collator, args, output_dir) -> Result:

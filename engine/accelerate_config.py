@@ -144,30 +144,23 @@ def _use_cpu(mapping: Mapping, key: str, value: Any, plugin: str | None) -> None
     mapping.set("train.use_cpu", bool(value), key, value)
 
 
-def _fsdp_config(mapping: Mapping, key: str, value: Any, plugin: str | None) -> None:
-    if not value:
-        return
-    if plugin != "fsdp":
-        raise mapping.refuse(key, "{...}", "fsdp_config needs distributed_type: FSDP")
-    for name, setting in value.items():
-        handler = _FSDP.get(name)
-        if handler is None:
-            raise mapping.refuse(f"fsdp_config.{name}", setting, f"not an FSDP setting the engine can map; it maps "
-                                                                 f"{', '.join(sorted(_FSDP))}")
-        handler(mapping, f"fsdp_config.{name}", setting)
+def _nested(plugin: str, distributed_type: str, what: str, handlers: Callable[[], dict[str, Callable[..., None]]]):
+    """A table (``fsdp_config``, ``deepspeed_config``) whose keys ``handlers()`` maps, for ``plugin`` only."""
 
+    def handle(mapping: Mapping, key: str, value: Any, enabled: str | None) -> None:
+        if not value:
+            return
+        if enabled != plugin:
+            raise mapping.refuse(key, "{...}", f"{key} needs distributed_type: {distributed_type}")
+        table = handlers()
+        for name, setting in value.items():
+            handler = table.get(name)
+            if handler is None:
+                raise mapping.refuse(f"{key}.{name}", setting, f"not {what} the engine can map; it maps "
+                                                               f"{', '.join(sorted(table))}")
+            handler(mapping, f"{key}.{name}", setting)
 
-def _deepspeed_config(mapping: Mapping, key: str, value: Any, plugin: str | None) -> None:
-    if not value:
-        return
-    if plugin != "deepspeed":
-        raise mapping.refuse(key, "{...}", "deepspeed_config needs distributed_type: DEEPSPEED")
-    for name, setting in value.items():
-        handler = _DEEPSPEED.get(name)
-        if handler is None:
-            raise mapping.refuse(f"deepspeed_config.{name}", setting, f"not a DeepSpeed setting the engine can "
-                                                                      f"map; it maps {', '.join(sorted(_DEEPSPEED))}")
-        handler(mapping, f"deepspeed_config.{name}", setting)
+    return handle
 
 
 def _check_processes(mapping: Mapping, config: dict[str, Any]) -> None:
@@ -203,8 +196,9 @@ _TOP_LEVEL: dict[str, Callable[..., None]] = {
     "dynamo_config": _only({}, None, meaning="no torch.compile"),
     "mixed_precision": _mixed_precision,
     "use_cpu": _use_cpu,
-    "fsdp_config": _fsdp_config,
-    "deepspeed_config": _deepspeed_config,
+    # the tables below are defined after this one
+    "fsdp_config": _nested("fsdp", "FSDP", "an FSDP setting", lambda: _FSDP),
+    "deepspeed_config": _nested("deepspeed", "DEEPSPEED", "a DeepSpeed setting", lambda: _DEEPSPEED),
 }
 
 

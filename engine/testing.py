@@ -182,17 +182,28 @@ def torchrun(args: list[str], nproc: int = 2, *, nnodes: int = 1, node_rank: int
     return subprocess.run(command, env=environment, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
-def launch_cases(cases: list[dict[str, Any]], out_dir: str | Path, nproc: int = 2,
-                 env: dict[str, str] | None = None, **torchrun_kwargs: Any) -> dict[str, dict[str, torch.Tensor]]:
-    """Train ``cases`` (see :func:`run_cases`) in one torchrun job of ``nproc`` processes; returns
-    each case's final full weights by name. A failed job is an AssertionError showing its stderr."""
+def launch_cases(cases: list[dict[str, Any]], out_dir: str | Path, nproc: int = 2, nnodes: int = 1,
+                 env: dict[str, str] | None = None, timeout: float = 600,
+                 **torchrun_kwargs: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """Train ``cases`` (see :func:`run_cases`) in one torchrun job of ``nproc`` processes on each
+    of ``nnodes`` nodes (several nodes: one torchrun per node on this machine, meeting through a
+    c10d rendezvous); returns each case's final full weights by name. A failed job is an
+    AssertionError showing its stderr."""
     import json
 
     out_dir = Path(out_dir)
     (out_dir / "cases.json").write_text(json.dumps(cases))
-    result = torchrun(["-m", "engine.testing", str(out_dir / "cases.json"), str(out_dir)], nproc=nproc,
-                      env=env, **torchrun_kwargs)
-    assert result.returncode == 0, result.stderr[-3000:]
+    args = ["-m", "engine.testing", str(out_dir / "cases.json"), str(out_dir)]
+    if nnodes == 1:
+        result = torchrun(args, nproc=nproc, env=env, timeout=timeout, **torchrun_kwargs)
+        assert result.returncode == 0, result.stderr[-3000:]
+    else:
+        endpoint = f"localhost:{free_port()}"
+        nodes = [torchrun(args, nproc=nproc, nnodes=nnodes, node_rank=rank, endpoint=endpoint, env=env, popen=True,
+                          **torchrun_kwargs) for rank in range(nnodes)]
+        for node in nodes:
+            _, err = node.communicate(timeout=timeout)
+            assert node.returncode == 0, err[-3000:]
     return {case["name"]: torch.load(out_dir / f"{case['name']}.pt", weights_only=True) for case in cases}
 
 

@@ -13,7 +13,6 @@ import torch
 from safetensors.torch import load_file
 
 from engine.testing import (
-    free_port,
     launch_cases,
     max_difference,
     run_steps,
@@ -63,14 +62,7 @@ def test_two_processes_make_the_updates_of_one_with_twice_the_batch(tmp_path):
 
 def test_two_nodes_on_one_machine_train_like_one_process(tmp_path):
     cases = [{"name": "ddp", "steps": STEPS, "plugins": ["ddp"], "train": {**SGD, "per_device_train_batch_size": 4}}]
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    endpoint = f"localhost:{free_port()}"
-    nodes = [torchrun(["-m", "engine.testing", str(tmp_path / "cases.json"), str(tmp_path)], nproc=1, nnodes=2,
-                      node_rank=rank, endpoint=endpoint, popen=True) for rank in (0, 1)]
-    for node in nodes:
-        _, err = node.communicate(timeout=300)
-        assert node.returncode == 0, err[-3000:]
-    weights = torch.load(tmp_path / "ddp.pt", weights_only=True)
+    weights = launch_cases(cases, tmp_path, nproc=1, nnodes=2)["ddp"]
     assert max_difference(weights, _reference({"per_device_train_batch_size": 8})) < TOLERANCE
 
 

@@ -11,7 +11,6 @@ from safetensors.torch import load_file
 
 from engine import ConfigError, Run
 from engine.testing import (
-    free_port,
     launch_cases,
     max_difference,
     run_steps,
@@ -61,14 +60,7 @@ def test_two_processes_make_the_updates_of_one_with_twice_the_batch(tmp_path):
 
 def test_two_nodes_on_one_machine_train_like_one_process(tmp_path):
     cases = [{"name": "fsdp", "steps": STEPS, "plugins": ["fsdp"], "train": {**SGD, "per_device_train_batch_size": 4}}]
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    endpoint = f"localhost:{free_port()}"
-    nodes = [torchrun(["-m", "engine.testing", str(tmp_path / "cases.json"), str(tmp_path)], nproc=1, nnodes=2,
-                      node_rank=rank, endpoint=endpoint, popen=True) for rank in (0, 1)]
-    for node in nodes:
-        _, err = node.communicate(timeout=300)
-        assert node.returncode == 0, err[-3000:]
-    weights = torch.load(tmp_path / "fsdp.pt", weights_only=True)
+    weights = launch_cases(cases, tmp_path, nproc=1, nnodes=2)["fsdp"]
     assert max_difference(weights, _reference(per_device_train_batch_size=8)) < TOLERANCE
 
 
@@ -86,15 +78,21 @@ def _losses(out):
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
 
 
-@pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
-def test_checkpoint_then_resume_ends_like_an_uninterrupted_run(tmp_path, state_dict_type):
-    sections = {"fsdp": {"state_dict_type": state_dict_type}}
+def _straight_and_stopped_at_step_4(tmp_path, sections):
+    """Two folders of the same run: trained 8 steps straight, and stopped at step 4 (a checkpoint)."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     for folder in (straight, resumed):
         folder.mkdir()
         write_run_file(folder, ["fsdp"], sections, lr_scheduler_type="constant")
     _train(straight / "run.toml")
     _train(resumed / "run.toml", "train.max_steps=4")
+    return straight, resumed
+
+
+@pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
+def test_checkpoint_then_resume_ends_like_an_uninterrupted_run(tmp_path, state_dict_type):
+    sections = {"fsdp": {"state_dict_type": state_dict_type}}
+    straight, resumed = _straight_and_stopped_at_step_4(tmp_path, sections)
     checkpoint = resumed / "out" / "checkpoint-4"
     sharded = {p.name for p in checkpoint.iterdir() if p.is_dir()}
     assert sharded == ({"pytorch_model_fsdp_0", "optimizer_0"} if state_dict_type == "sharded" else set())
@@ -114,12 +112,7 @@ def test_checkpoint_then_resume_ends_like_an_uninterrupted_run(tmp_path, state_d
 
 def test_a_sharded_checkpoint_of_two_processes_resumes_in_one(tmp_path):
     sections = {"fsdp": {"state_dict_type": "sharded"}}
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    for folder in (straight, resumed):
-        folder.mkdir()
-        write_run_file(folder, ["fsdp"], sections, lr_scheduler_type="constant")
-    _train(straight / "run.toml")
-    _train(resumed / "run.toml", "train.max_steps=4")
+    straight, resumed = _straight_and_stopped_at_step_4(tmp_path, sections)
     # one process with the same global batch reads both shards (DCP reshards on load)
     single = _train(resumed / "run.toml", "train.resume_from_checkpoint=true", "train.per_device_train_batch_size=8",
                     nproc=1)
