@@ -109,6 +109,7 @@ def test_torch_compile_is_applied_and_undone(tmp_path):
 
 @pytest.mark.parametrize("train, message", [
     ({"torch_compile_backend": "fastest"}, "train.torch_compile_backend: unknown backend 'fastest'; torch has"),
+    ({"torch_compile_mode": "fastest"}, "train.torch_compile_mode: unknown mode 'fastest'; inductor has default, "),
     ({"activation_checkpointing": True, "activation_checkpointing_kwargs": {"every_n_layers": 0}},
      r"activation_checkpointing_kwargs.every_n_layers: expected int >= 1, got 0"),
     ({"gradient_checkpointing": True, "activation_checkpointing": True, "gradient_checkpointing_kwargs": {"a": 1},

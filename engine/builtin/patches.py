@@ -20,7 +20,10 @@ LAYER_KEYS = ("every_n_layers", "offload")
 
 @hookimpl
 def configure(run):
-    kwargs = run.config.train.activation_checkpointing_kwargs or {}
+    train = run.config.train
+    if train.torch_compile:
+        _check_compile_options(train.torch_compile_backend or "inductor", train.torch_compile_mode)
+    kwargs = train.activation_checkpointing_kwargs or {}
     every = kwargs.get("every_n_layers", 1)
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
         raise ConfigError(f"train.activation_checkpointing_kwargs.every_n_layers: expected int >= 1, got {every!r}")
@@ -88,14 +91,25 @@ def _largest_block_stack(model: torch.nn.Module) -> torch.nn.ModuleList | None:
     return max(stacks, key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
 
 
+def _check_compile_options(backend: str, mode: str | None) -> None:
+    """Refuse a backend torch does not have, and an inductor mode it does not know, before the model loads."""
+    import torch._dynamo
+
+    backends = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in backends:
+        raise ConfigError(f"train.torch_compile_backend: unknown backend {backend!r}; torch has "
+                          f"{', '.join(sorted(backends))}")
+    if backend == "inductor" and mode is not None:
+        import torch._inductor
+
+        modes = list(torch._inductor.list_mode_options())
+        if mode not in modes:
+            raise ConfigError(f"train.torch_compile_mode: unknown mode {mode!r}; inductor has {', '.join(modes)}")
+
+
 def compile_model(model: torch.nn.Module, backend: str, mode: str | None):
     """``model.compile(...)`` in place (the module object stays the same for the strategy and the
     checkpoints); returns the undo."""
-    import torch._dynamo
-
-    if backend not in torch._dynamo.list_backends(exclude_tags=()):
-        raise ConfigError(f"train.torch_compile_backend: unknown backend {backend!r}; torch has "
-                          f"{', '.join(sorted(torch._dynamo.list_backends(exclude_tags=())))}")
     model.compile(backend=backend, mode=mode)
     logger.info("torch.compile: backend %s, mode %s (the first steps compile)", backend, mode or "default")
 
