@@ -27,9 +27,9 @@ hookimpl = pluggy.HookimplMarker("engine")
 
 _LAZY = {
     "Run": "engine.run",
-    "StepOutput": "engine.run",
-    "TrainState": "engine.run",
-    "Control": "engine.run",
+    "StepOutput": "engine.state",
+    "TrainState": "engine.state",
+    "Control": "engine.state",
     "Strategy": "engine.strategy",
     "EvalPrediction": "engine.loop",
     "TrainConfig": "engine.config",
@@ -41,7 +41,7 @@ _LAZY = {
     "MissingDependencyError": "engine.errors",
     "CheckpointError": "engine.errors",
     "TrainingDiverged": "engine.errors",
-    "PredictionOutput": "engine.run",
+    "PredictionOutput": "engine.state",
     "param_groups": "engine.optim",
     "parse_optim_args": "engine.optim",
     "OptimArg": "engine.optim",

@@ -49,7 +49,8 @@ import pluggy
 if TYPE_CHECKING:  # only for annotations: importing the specs must stay cheap
     import torch
 
-    from .run import Run, StepOutput
+    from .run import Run
+    from .state import StepOutput
 
 hookspec = pluggy.HookspecMarker("engine")
 

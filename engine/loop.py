@@ -78,6 +78,7 @@ import torch
 from . import checkpoint, rundir
 from .errors import ConfigError, TrainingDiverged
 from .loss import IGNORE_INDEX, count_items, logits_of
+from .state import EpochSampler, PredictionOutput
 from .util import call_user
 
 if TYPE_CHECKING:
@@ -391,7 +392,6 @@ def evaluate(run: Run, dataset: Any = None, prefix: str = "eval", report: bool =
 
 def predict(run: Run, dataset: Any, prefix: str = "test") -> Any:
     """Logits, labels and metrics over ``dataset`` (see :meth:`Run.predict`)."""
-    from .run import PredictionOutput
 
     run.hook.on_eval_mode(run=run)
     metrics, predictions, label_ids = _evaluate_one(run, dataset, prefix, want_predictions=True)
@@ -415,7 +415,6 @@ def _evaluate_one(run: Run, dataset: Any, prefix: str, want_predictions: bool) -
     Logits come from the forward that ``compute_loss`` runs (caught by a forward hook), so
     predictions cost no second forward pass.
     """
-    from .run import EpochSampler
 
     strategy, model, train_cfg = run.strategy, run.wrapped_model, run.config.train
     sampler = None

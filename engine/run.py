@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable
 
 import torch
 
@@ -21,75 +20,7 @@ from .errors import ConfigError
 from .logs import quiet_known_noise, setup_logging
 from .plugins import IsolatedHooks, PluginManager
 from .rundir import env_rank
-
-
-class StepOutput(NamedTuple):
-    """What a ``training_step`` returns: the window's mean loss, the pre-clip grad norm, and
-    whether the update was skipped (``train.on_nonfinite = "skip"``: a nan/inf loss or norm)."""
-
-    loss: torch.Tensor
-    grad_norm: torch.Tensor | float | None = None
-    skipped: bool = False
-
-
-@dataclass
-class TrainState:
-    """Progress of the run; saved in checkpoints as trainer_state.json."""
-
-    global_step: int = 0
-    epoch: float = 0.0
-    max_steps: int = 0
-    steps_per_epoch: int = 0
-    num_input_tokens_seen: int = 0
-    log_history: list[dict[str, Any]] = field(default_factory=list)
-    best_metric: float | None = None
-    best_global_step: int | None = None
-    best_model_checkpoint: str | None = None
-    num_skipped_steps: int = 0  # updates skipped for a non-finite loss (train.on_nonfinite = "skip")
-
-
-@dataclass
-class Control:
-    """Requests plugins make from lifecycle hooks; the loop acts on them after the current step."""
-
-    should_stop: bool = False
-    should_save: bool = False
-    should_evaluate: bool = False
-    stop_reason: str | None = None
-
-    def request_stop(self, reason: str) -> None:
-        self.should_stop = True
-        self.stop_reason = reason
-
-
-class EpochSampler(torch.utils.data.Sampler[int]):
-    """Deterministic order per (seed, epoch), sharded over ``world_size`` ranks.
-
-    The order of epoch e depends only on seed and e, so a resumed run can skip exactly the
-    samples it already saw (``start``) instead of replaying the data loader.
-    """
-
-    def __init__(self, length: int, seed: int, shuffle: bool = True, rank: int = 0, world_size: int = 1):
-        self.length, self.seed, self.shuffle = length, seed, shuffle
-        self.rank, self.world_size = rank, world_size
-        self.epoch = 0
-        self.start = 0
-        self.per_rank = math.ceil(length / world_size)
-
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
-        self.epoch, self.start = epoch, start
-
-    def __iter__(self) -> Iterator[int]:
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.length, generator=generator).tolist()
-        else:
-            order = list(range(self.length))
-        order += order[: self.per_rank * self.world_size - self.length]  # equal share per rank
-        return iter(order[self.rank::self.world_size][self.start:])
-
-    def __len__(self) -> int:
-        return self.per_rank - self.start
+from .state import Control, EpochSampler, PredictionOutput, TrainState
 
 
 def set_seed(seed: int) -> None:
@@ -358,14 +289,6 @@ class Run:
         from .plan import render_plan
 
         return render_plan(self)
-
-
-class PredictionOutput(NamedTuple):
-    """What :meth:`Run.predict` returns: numpy arrays (label_ids None without labels) and metrics."""
-
-    predictions: Any
-    label_ids: Any
-    metrics: dict[str, float]
 
 
 def _resolve_defaults(train: cfg.TrainConfig) -> None:

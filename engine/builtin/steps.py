@@ -9,7 +9,7 @@ import torch
 
 from engine import hookimpl
 from engine.errors import ConfigError
-from engine.run import StepOutput
+from engine.state import StepOutput
 
 _NO_CONTEXT = contextlib.nullcontext()
 

@@ -1,0 +1,89 @@
+"""What a run carries and hands out: its progress, the loop's requests, a step's and a prediction's
+results, and the deterministic sampler. Plain records with no engine imports, so the loop, the
+strategies and plugins use them without importing :mod:`engine.run`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterator, NamedTuple
+
+import torch
+
+
+class StepOutput(NamedTuple):
+    """What a ``training_step`` returns: the window's mean loss, the pre-clip grad norm, and
+    whether the update was skipped (``train.on_nonfinite = "skip"``: a nan/inf loss or norm)."""
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor | float | None = None
+    skipped: bool = False
+
+
+@dataclass
+class TrainState:
+    """Progress of the run; saved in checkpoints as trainer_state.json."""
+
+    global_step: int = 0
+    epoch: float = 0.0
+    max_steps: int = 0
+    steps_per_epoch: int = 0
+    num_input_tokens_seen: int = 0
+    log_history: list[dict[str, Any]] = field(default_factory=list)
+    best_metric: float | None = None
+    best_global_step: int | None = None
+    best_model_checkpoint: str | None = None
+    num_skipped_steps: int = 0  # updates skipped for a non-finite loss (train.on_nonfinite = "skip")
+
+
+@dataclass
+class Control:
+    """Requests plugins make from lifecycle hooks; the loop acts on them after the current step."""
+
+    should_stop: bool = False
+    should_save: bool = False
+    should_evaluate: bool = False
+    stop_reason: str | None = None
+
+    def request_stop(self, reason: str) -> None:
+        self.should_stop = True
+        self.stop_reason = reason
+
+
+class EpochSampler(torch.utils.data.Sampler[int]):
+    """Deterministic order per (seed, epoch), sharded over ``world_size`` ranks.
+
+    The order of epoch e depends only on seed and e, so a resumed run can skip exactly the
+    samples it already saw (``start``) instead of replaying the data loader.
+    """
+
+    def __init__(self, length: int, seed: int, shuffle: bool = True, rank: int = 0, world_size: int = 1):
+        self.length, self.seed, self.shuffle = length, seed, shuffle
+        self.rank, self.world_size = rank, world_size
+        self.epoch = 0
+        self.start = 0
+        self.per_rank = math.ceil(length / world_size)
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.length, generator=generator).tolist()
+        else:
+            order = list(range(self.length))
+        order += order[: self.per_rank * self.world_size - self.length]  # equal share per rank
+        return iter(order[self.rank::self.world_size][self.start:])
+
+    def __len__(self) -> int:
+        return self.per_rank - self.start
+
+
+class PredictionOutput(NamedTuple):
+    """What :meth:`Run.predict` returns: numpy arrays (label_ids None without labels) and metrics."""
+
+    predictions: Any
+    label_ids: Any
+    metrics: dict[str, float]
