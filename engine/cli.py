@@ -21,13 +21,15 @@ from . import __version__
 from .errors import EngineError
 
 
-def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_file", nargs="?", metavar="RUN.toml",
-                        help="run file; without one, the embedded default run")
+def _add_run_arguments(parser: argparse.ArgumentParser, run_file: bool = True) -> None:
+    if run_file:
+        parser.add_argument("run_file", nargs="?", metavar="RUN.toml",
+                            help="run file; without one, the embedded default run")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value, e.g. --set train.learning_rate=1e-4 (repeatable)")
-    parser.add_argument("--plugins", dest="plugin_edits", action="append", default=[], metavar="EDIT",
-                        help="'+name,-name' enables/disables plugins; 'a,b' replaces the list")
+    parser.add_argument("-p", "--plugins", dest="plugin_edits", action="append", default=[], metavar="EDIT",
+                        help="'+name,-name' enables/disables plugins; 'a,b' replaces the list (after "
+                             "ENGINE_PLUGINS, whose '-name' entries never load)")
     parser.add_argument("--accelerate-config", metavar="FILE.yaml", help=(
         "map an Accelerate config file (distributed_type, fsdp_config, deepspeed_config, mixed_precision, "
         "...) onto the strategy plugins; engine plan shows the mapping"))
@@ -50,8 +52,20 @@ def build_parser() -> argparse.ArgumentParser:
         "load these weights first: a checkpoint-<step> folder or a final model folder"))
     plan = commands.add_parser("plan", help="show the composed run: plugins, hook order, full config")
     _add_run_arguments(plan)
-    plugins = commands.add_parser("plugins", help="list installed plugins, their hooks and names")
-    _add_run_arguments(plugins)
+    plugins = commands.add_parser(
+        "plugins", help="list installed plugins, their hooks and names; check a plugin; scaffold a new one",
+        usage="engine plugins [RUN.toml] [--set ...] [-p EDIT]\n"
+              "       engine plugins --check PATH_OR_MODULE\n"
+              "       engine plugins new NAME [--kind KIND] [--dir FOLDER]")
+    plugins.add_argument("words", nargs="*", metavar="RUN.toml | new NAME", help=(
+        "a run file (its plugins are marked enabled), or 'new NAME' to write a plugin package engine-NAME/"))
+    _add_run_arguments(plugins, run_file=False)
+    plugins.add_argument("--check", metavar="PATH_OR_MODULE", help=(
+        "inspect a plugin (a project folder, a module file or a module name): entry point, import, hooks "
+        "without @hookimpl, hook arguments that do not exist, options schema; exit status 1 on problems"))
+    plugins.add_argument("--kind", choices=("optimizer", "loss", "tracker", "callback"), help=(
+        "with new: the hooks to start from (default: callback)"))
+    plugins.add_argument("--dir", metavar="FOLDER", help="with new: where engine-NAME/ is written (default: here)")
     return parser
 
 
@@ -145,13 +159,58 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _plugins(args: argparse.Namespace) -> int:
+    from .errors import ConfigError
+
+    words = args.words
+    if words[:1] == ["new"]:
+        if len(words) != 2 or args.check:
+            raise ConfigError("engine plugins new NAME [--kind KIND] [--dir FOLDER]: give one NAME")
+        return _new_plugin(words[1], args.kind or "callback", args.dir or ".")
+    if args.kind or args.dir:
+        raise ConfigError("engine plugins: --kind and --dir go with 'engine plugins new NAME'")
+    if len(words) > 1:
+        raise ConfigError(f"engine plugins: one run file at most, got {' '.join(words)} (to scaffold: "
+                          "engine plugins new NAME)")
+    if args.check:
+        return _check_plugin(args.check)
+    args.run_file = words[0] if words else None
+    return _list_plugins(args)
+
+
+def _new_plugin(name: str, kind: str, parent: str) -> int:
+    from pathlib import Path
+
+    from .authoring import scaffold
+
+    folder = scaffold(name, kind, Path(parent))
+    print(f"wrote {folder}: a {kind} plugin {name!r}. Next:\n"
+          f"  pip install -e '{folder}[test]'\n"
+          f"  pytest {folder}\n"
+          f"  engine plugins --check {folder}\n"
+          f"  engine plan --plugins +{name}")
+    return 0
+
+
+def _check_plugin(spec: str) -> int:
+    from .authoring import check_plugin
+
+    reports = check_plugin(spec)
+    print("\n".join(report.render() for report in reports))
+    return 1 if any(report.problems for report in reports) else 0
+
+
+def _list_plugins(args: argparse.Namespace) -> int:
     from .hookspecs import HOOK_NAMES
-    from .plugins import describe_installed, installed_plugins
+    from .plugins import NO_AUTOLOAD_ENV, autoload_disabled, describe_installed, installed_plugins
 
     run = _make_run(args)
     enabled = set(run.config.plugins)
     rows = []
     for plugin in installed_plugins().values():
+        if autoload_disabled() and plugin.name not in enabled:
+            rows.append(f"{plugin.name:<16} {plugin.distribution} {plugin.version:<10} {'installed':<9}  "
+                        f"not imported ({NO_AUTOLOAD_ENV} is set)")
+            continue
         try:
             hooks, names, problems = describe_installed(plugin)
             detail = f"hooks: {', '.join(hooks) or '-'}"
@@ -184,11 +243,11 @@ def _launcher_rank() -> int:
 
 
 def _join_plugin_edits(argv: list[str]) -> list[str]:
-    """``--plugins -name`` as ``--plugins=-name``: argparse would read ``-name`` as an option."""
+    """``--plugins -name`` (or ``-p -name``) as ``--plugins=-name``: argparse would read ``-name`` as an option."""
     joined: list[str] = []
     words = iter(argv)
     for word in words:
-        if word == "--plugins":
+        if word in ("--plugins", "-p"):
             value = next(words, None)
             if value is not None and value[:1] in "+-" and not value.startswith("--"):
                 joined.append(f"--plugins={value}")

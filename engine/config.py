@@ -3,6 +3,7 @@
 A run is described by one mapping (a TOML file, a Python dict, or the embedded default)::
 
     plugins = ["neftune"]      # enabled plugins, by entry-point name
+    required_plugins = ["neftune>=0.1"]   # optional: versions this run needs, checked before loading
     [train]                    # TrainConfig: model, optimizer, loop
     [data]                     # DataConfig: tokenizer and datasets
     [neftune]                  # one section per enabled plugin, validated by its schema
@@ -28,6 +29,7 @@ import tomllib
 from .errors import ConfigError
 
 CORE_SECTIONS = ("train", "data")
+TOP_LEVEL_KEYS = ("plugins", "required_plugins")
 # [train] keys that say how to start rather than what to train: not part of the run's identity,
 # never listed as changes on resume
 START_KEYS = ("resume_from_checkpoint", "overwrite_output_dir", "reset_optimizer", "output_dir")
@@ -383,9 +385,13 @@ def apply_overrides(raw: dict[str, Any], sets: list[str] = (), plugin_edits: lis
     for edit in plugin_edits:
         names = [n.strip() for n in edit.split(",") if n.strip()]
         if names and all(n[0] not in "+-" for n in names):
+            for name in enabled_plugins(raw):
+                if name not in names:
+                    raw.pop(name, None)
             raw["plugins"] = names
             continue
         current = list(raw.get("plugins", []))
+        before = list(current)
         for name in names:
             if name[0] == "+":
                 if name[1:] not in current:
@@ -398,6 +404,9 @@ def apply_overrides(raw: dict[str, Any], sets: list[str] = (), plugin_edits: lis
                 raise ConfigError(f"--plugins {edit!r}: mix of names with and without +/-; "
                                   "use +name,-name to edit or a plain list to replace")
         raw["plugins"] = current
+        for name in before:
+            if name not in current:
+                raw.pop(name, None)  # a plugin switched off takes its options section with it
     return raw
 
 
@@ -420,6 +429,15 @@ def enabled_plugins(raw: dict[str, Any]) -> list[str]:
     return list(names)
 
 
+def required_plugins(raw: dict[str, Any]) -> list[str]:
+    """The ``required_plugins`` list of a raw run mapping, checked for shape (the versions are
+    checked against what is installed by :func:`engine.plugins.check_required_plugins`)."""
+    names = raw.get("required_plugins", [])
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"required_plugins: expected list of str like [\"galore>=0.2\"], got {_describe(names)}")
+    return list(names)
+
+
 @dataclass
 class RunConfig:
     """The composed, validated run: core sections plus each enabled plugin's options."""
@@ -428,6 +446,7 @@ class RunConfig:
     train: TrainConfig
     data: DataConfig
     sections: dict[str, Any] = field(default_factory=dict)  # plugin name -> options dataclass
+    required_plugins: list[str] = field(default_factory=list)  # ["galore>=0.2"]: checked before plugins load
 
     def section(self, plugin: str) -> Any:
         """The validated options of ``plugin`` (its ``plugin_options`` dataclass instance)."""
@@ -437,8 +456,10 @@ class RunConfig:
             raise ConfigError(f"plugin {plugin!r} declares no options or is not enabled") from None
 
     def to_mapping(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"plugins": list(self.plugins), "train": to_mapping(self.train),
-                               "data": to_mapping(self.data)}
+        out: dict[str, Any] = {"plugins": list(self.plugins)}
+        if self.required_plugins:  # only when set: older runs' config fingerprints stay the same
+            out["required_plugins"] = list(self.required_plugins)
+        out.update(train=to_mapping(self.train), data=to_mapping(self.data))
         for name, options in self.sections.items():
             out[name] = to_mapping(options)
         return out
@@ -448,10 +469,10 @@ def compose(raw: dict[str, Any], schemas: dict[str, type | None]) -> RunConfig:
     """Validate a raw run mapping. ``schemas`` maps each enabled plugin to its options class."""
     plugins = enabled_plugins(raw)
     for key, value in raw.items():
-        if key == "plugins" or key in CORE_SECTIONS:
+        if key in TOP_LEVEL_KEYS or key in CORE_SECTIONS:
             continue
         if key not in plugins:
-            known = ", ".join(["plugins", *CORE_SECTIONS, *plugins])
+            known = ", ".join([*TOP_LEVEL_KEYS, *CORE_SECTIONS, *plugins])
             raise ConfigError(f"{key}: unknown section; not a core section or an enabled plugin "
                               f"(known: {known}); enable the plugin with plugins = [..., {key!r}]")
         if schemas.get(key) is None:
@@ -463,6 +484,7 @@ def compose(raw: dict[str, Any], schemas: dict[str, type | None]) -> RunConfig:
             sections[name] = from_mapping(schema, raw.get(name, {}), name)
     return RunConfig(
         plugins=plugins,
+        required_plugins=required_plugins(raw),
         train=from_mapping(TrainConfig, raw.get("train", {}), "train"),
         data=from_mapping(DataConfig, raw.get("data", {}), "data"),
         sections=sections,

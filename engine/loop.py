@@ -227,6 +227,9 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
                 save_now()
             if control.should_stop:
                 break
+        if control.should_stop and state.global_step < state.max_steps:
+            logger.info("stopped at step %d of %d: %s", state.global_step, state.max_steps,
+                        control.stop_reason or "a plugin set run.control.should_stop")
         if logged.count:  # steps since the last log, when a plugin stopped the run
             metrics = logged.flush(lr)
             if main:

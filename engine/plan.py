@@ -8,18 +8,21 @@ from typing import TYPE_CHECKING
 from . import __version__
 from .config import DataConfig, TrainConfig, to_toml
 from .hookspecs import HOOK_NAMES, combine_kind
-from .plugins import BUILTIN_PREFIX
+from .plugins import BUILTIN_PREFIX, NO_AUTOLOAD_ENV, PLUGINS_ENV, autoload_disabled
 
 if TYPE_CHECKING:
     from .run import Run
 
 def _origin(run: Run, name: str) -> str:
+    """Where a plugin's code comes from, and what named it."""
+    pm = run.plugin_manager
     if name.startswith(BUILTIN_PREFIX):
-        return f"engine {__version__}"
-    installed = run.plugin_manager.installed.get(name)
-    if name in run.plugin_manager.objects or installed is None:
-        return "python object"
-    return f"{installed.distribution} {installed.version}"
+        return f"engine {__version__}, builtin"
+    named = f"named by {pm.origins[name]}" if name in pm.origins else ""
+    installed = pm.installed.get(name)
+    if name in pm.objects or installed is None:
+        return f"python object; {named}"
+    return f"{installed.distribution} {installed.version}, entry point {installed.value}; {named}"
 
 
 def _help_comments(run: Run) -> dict[str, dict[str, str]]:
@@ -37,6 +40,12 @@ def render_plan(run: Run) -> str:
     builtins = [name for name, _ in pm.pm.list_name_plugin() if name.startswith(BUILTIN_PREFIX)]
     for name in [*run.config.plugins, *builtins]:
         lines.append(f"  {name:<24} {_origin(run, name)}")
+    if pm.excluded:
+        lines.append(f"  excluded by {PLUGINS_ENV}: {', '.join(pm.excluded)}")
+    if autoload_disabled():
+        lines.append(f"  {NO_AUTOLOAD_ENV} is set: no other installed plugin is imported")
+    if run.config.required_plugins:
+        lines.append(f"  required_plugins satisfied: {', '.join(run.config.required_plugins)}")
 
     lines += ["", "hooks (implementations in call order; firstresult: the first non-None answer wins):"]
     for hook_name in HOOK_NAMES:

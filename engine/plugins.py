@@ -7,6 +7,12 @@
   an unknown hook or a wrong argument is a :class:`~engine.errors.PluginError`.
 * :class:`Registry` maps names (optimizers, schedulers, strategies) to factories; duplicates
   name both plugins, unknown names list what is installed and the pip extra that provides it.
+* Selection controls, read from the environment like pytest's ``PYTEST_PLUGINS`` /
+  ``PYTEST_DISABLE_PLUGIN_AUTOLOAD``: ``ENGINE_PLUGINS="a,b,-c"`` enables a and b in every run
+  and keeps c from loading (:class:`EnvironmentPlugins`); ``ENGINE_DISABLE_PLUGIN_AUTOLOAD=1``
+  imports no installed plugin that is not named (no scans of installed plugins for hints or
+  listings); a run file's ``required_plugins = ["galore>=0.2"]`` is checked against the installed
+  versions before anything loads (:func:`check_required_plugins`).
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import importlib.metadata
 import importlib.util
 import inspect
 import logging
+import os
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -31,6 +39,8 @@ from .util import describe_exception, is_missing
 logger = logging.getLogger("engine")
 
 ENTRY_POINT_GROUP = "engine.plugins"
+PLUGINS_ENV = "ENGINE_PLUGINS"
+NO_AUTOLOAD_ENV = "ENGINE_DISABLE_PLUGIN_AUTOLOAD"
 PROJECT = "engine"  # pluggy's project name: markers set the attribute "engine_impl"
 BUILTIN_PREFIX = "builtin."
 # "module" registers the module; "module:Class" registers a fresh instance per run.
@@ -103,6 +113,100 @@ def installed_plugins() -> dict[str, InstalledPlugin]:
             version=dist.version if dist else "?",
         )
     return dict(sorted(found.items()))
+
+
+def autoload_disabled() -> bool:
+    """``ENGINE_DISABLE_PLUGIN_AUTOLOAD`` is set (to anything but 0/false/no): import no installed
+    plugin that the run does not name, not even to list it or to look for a name's provider."""
+    return os.environ.get(NO_AUTOLOAD_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+_PLUGIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+@dataclass(frozen=True)
+class EnvironmentPlugins:
+    """``ENGINE_PLUGINS``: comma-separated names enabled in every run (after the run's own, as
+    ``--plugins +name`` would), and ``-name`` for a plugin that must not load in this environment.
+
+    An excluded plugin named by a run is left out with its options section and one log line (a
+    CI job or a shared machine decides what may load; the run still trains). Plugin objects
+    passed to ``Run(plugins=...)`` are code the caller hands over, not entry points: they are not
+    excluded.
+    """
+
+    added: tuple[str, ...] = ()
+    excluded: tuple[str, ...] = ()
+
+    @classmethod
+    def read(cls) -> EnvironmentPlugins:
+        added, excluded = [], []
+        for item in filter(None, (part.strip() for part in os.environ.get(PLUGINS_ENV, "").split(","))):
+            name = item[1:] if item[0] in "+-" else item
+            if not _PLUGIN_NAME.fullmatch(name):
+                raise ConfigError(f"{PLUGINS_ENV}: {item!r} is not a plugin name; expected comma-separated names, "
+                                  f"'-name' to keep one from loading (e.g. {PLUGINS_ENV}=tensorboard,-wandb)")
+            (excluded if item[0] == "-" else added).append(name)
+        both = sorted(set(added) & set(excluded))
+        if both:
+            raise ConfigError(f"{PLUGINS_ENV}: {', '.join(both)} both added and excluded; keep one")
+        return cls(tuple(dict.fromkeys(added)), tuple(dict.fromkeys(excluded)))
+
+    def edits(self) -> list[str]:
+        """The additions as a ``--plugins`` edit, applied before the command line's own."""
+        return [",".join(f"+{name}" for name in self.added)] if self.added else []
+
+    def exclude(self, raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+        """``raw`` without the excluded plugins and their sections, and the names it left out."""
+        named = [name for name in raw.get("plugins", []) if name in self.excluded]
+        kept = {key: value for key, value in raw.items() if key not in named}
+        if named:
+            kept["plugins"] = [name for name in raw["plugins"] if name not in self.excluded]
+        return kept, named
+
+
+def check_required_plugins(requirements: list[str], installed: dict[str, InstalledPlugin]) -> None:
+    """Refuse a run whose ``required_plugins`` are not installed at a matching version.
+
+    Each entry is a requirement string (``"galore"``, ``"galore>=0.2,<1"``, ``"engine>=0.1"``,
+    environment markers allowed) naming a plugin by its entry-point name or distribution name, or
+    ``engine`` for the core. Nothing is imported: versions come from the distributions' metadata.
+    """
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.utils import canonicalize_name
+
+    from . import __version__
+
+    by_name = {canonicalize_name(plugin.name): plugin for plugin in installed.values()}
+    by_name.update({canonicalize_name(plugin.distribution): plugin for plugin in installed.values()})
+    for index, text in enumerate(requirements):
+        key = f"required_plugins[{index}]"
+        try:
+            requirement = Requirement(text)
+        except InvalidRequirement as exc:
+            raise ConfigError(f"{key}: {text!r} is not a requirement ({exc}); write e.g. 'galore' or "
+                              "'galore>=0.2,<1'") from None
+        if requirement.extras or requirement.url:
+            raise ConfigError(f"{key}: {text!r}: name a plugin and versions only (no extras or URLs)")
+        if requirement.marker is not None and not requirement.marker.evaluate():
+            continue  # e.g. "liger; sys_platform == 'linux'" on another platform
+        name = canonicalize_name(requirement.name)
+        if name == "engine":
+            what, version, upgrade = "engine", __version__, "pip install -U engine"
+        else:
+            plugin = by_name.get(name)
+            if plugin is None:
+                info = FIRST_PARTY.get(requirement.name)
+                how = f"it comes from {info.distribution}: {info.install}" if info else \
+                    f"install the distribution that provides it (pip install {requirement.name!r})"
+                raise ConfigError(f"{key}: {text!r}: plugin {requirement.name!r} is not installed; {how}; installed "
+                                  f"plugins: {', '.join(sorted(installed)) or '(none)'}")
+            what, version = plugin.distribution, plugin.version
+            info = FIRST_PARTY.get(plugin.name)
+            upgrade = f"pip install -U 'engine[{info.extra}]'" if info else f"pip install -U {plugin.distribution!r}"
+        if requirement.specifier and not requirement.specifier.contains(version, prereleases=True):
+            raise ConfigError(f"{key}: the run needs {text!r}, but {what} {version} is installed; "
+                              f"{upgrade}, or change required_plugins")
 
 
 def unknown_plugin_message(name: str, installed: Iterable[str]) -> str:
@@ -247,7 +351,8 @@ class Registry:
         installed = installed_plugins()
         provider = provider_of(self.kind, name)
         enabled = {entry.plugin for entry in self.entries.values()}
-        registering = [] if provider else plugins_registering(self.kind, name, skip=enabled)
+        search = provider is None and not autoload_disabled()  # finding a provider imports installed plugins
+        registering = plugins_registering(self.kind, name, skip=enabled) if search else []
         if provider is not None:
             info = FIRST_PARTY[provider]
             if provider in installed:
@@ -265,6 +370,8 @@ class Registry:
             if close:
                 parts.append(f"did you mean {close[0]!r}?")
         parts.append(f"available: {', '.join(self.names())}")
+        if provider is None and not search:
+            parts.append(f"installed plugins were not searched for it ({NO_AUTOLOAD_ENV} is set)")
         if provider is None and not registering:
             families = [plugin for plugin, info in FIRST_PARTY.items() if info.provides.get(self.kind)]
             idle = [plugin for plugin in families if plugin in installed and plugin not in enabled]
@@ -281,13 +388,19 @@ class PluginManager:
 
     ``enabled`` names entry points; ``objects`` maps names to plugin objects passed in from
     Python (the API's ``plugins=`` argument, test recorders). Both are called before the
-    builtins, in order.
+    builtins, in order. ``origins`` says what named each one (for ``engine plan``), ``excluded``
+    what ``ENGINE_PLUGINS`` kept out; ``required`` (a run's ``required_plugins``) is checked
+    against the installed versions before anything loads.
     """
 
-    def __init__(self, enabled: Iterable[str] = (), objects: dict[str, Any] | None = None):
+    def __init__(self, enabled: Iterable[str] = (), objects: dict[str, Any] | None = None, *,
+                 origins: dict[str, str] | None = None, excluded: Iterable[str] = (), required: Iterable[str] = ()):
         self.enabled = list(enabled)
         self.objects = dict(objects or {})
+        self.origins = dict(origins or {})
+        self.excluded = list(excluded)
         self.installed = installed_plugins()
+        check_required_plugins(list(required), self.installed)
         self.pm = pluggy.PluginManager(PROJECT)
         self.pm.add_hookspecs(hookspecs)
         for spec in BUILTIN_PLUGINS:
@@ -387,16 +500,20 @@ def describe_installed(plugin: InstalledPlugin) -> tuple[list[str], dict[str, li
     raised, so ``engine plugins`` can list every plugin; a plugin that cannot be imported raises
     PluginError.
     """
-    target = plugin.load()
-    problems = plugin_problems(target, plugin.name)
+    return inspect_plugin(plugin.load(), plugin.name)
+
+
+def inspect_plugin(target: Any, name: str) -> tuple[list[str], dict[str, list[str]], list[str]]:
+    """A loaded plugin object's (hooks it implements, names it registers per kind, problems)."""
+    problems = plugin_problems(target, name)
     pm = pluggy.PluginManager(PROJECT)
     pm.add_hookspecs(hookspecs)
     try:
-        pm.register(target, name=plugin.name)
+        pm.register(target, name=name)
     except pluggy.PluginValidationError as exc:
-        return [], {}, [*problems, str(exc).replace("\n", " ")]
+        return [], {}, problems or [str(exc).replace("\n", " ")]  # plugin_problems says it with the right names
     hooks = sorted(impl_hook for impl_hook, caller in vars(pm.hook).items()
-                   if any(impl.plugin_name == plugin.name for impl in caller.get_hookimpls()))
+                   if any(impl.plugin_name == name for impl in caller.get_hookimpls()))
     for hook_name in hooks:
         if hook_name not in hookspecs.HOOK_NAMES:
             close = difflib.get_close_matches(hook_name, hookspecs.HOOK_NAMES, n=1)
@@ -406,7 +523,7 @@ def describe_installed(plugin: InstalledPlugin) -> tuple[list[str], dict[str, li
         registry = Registry(kind)
         for impl in getattr(pm.hook, hook_name).get_hookimpls():
             try:
-                PluginManager._call_impl(impl, {"register": registry.callback(plugin.name)})
+                PluginManager._call_impl(impl, {"register": registry.callback(name)})
             except Exception as exc:  # its register hook is broken: list it, do not crash the listing
                 problems.append(f"{hook_name} raised {describe_exception(exc)}")
         if registry.entries:

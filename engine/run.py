@@ -8,6 +8,7 @@ hooks; :meth:`Run.train` / :meth:`Run.evaluate` run the loop in ``engine/loop.py
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from pathlib import Path
@@ -18,9 +19,11 @@ import torch
 from . import config as cfg
 from .errors import ConfigError
 from .logs import quiet_known_noise, setup_logging
-from .plugins import IsolatedHooks, PluginManager
+from .plugins import PLUGINS_ENV, EnvironmentPlugins, IsolatedHooks, PluginManager
 from .rundir import env_rank
 from .state import Control, EpochSampler, PredictionOutput, TrainState
+
+logger = logging.getLogger("engine")
 
 
 def set_seed(seed: int) -> None:
@@ -76,11 +79,16 @@ class Run:
             raw = cfg.read_run_file(config)
         else:
             raw = dict(config or {})
-        raw = cfg.apply_overrides(raw, overrides, plugin_edits)
+        environment = EnvironmentPlugins.read()
+        in_config = cfg.enabled_plugins(raw)
+        raw, left_out = environment.exclude(cfg.apply_overrides(raw, overrides, [*environment.edits(), *plugin_edits]))
         objects = _plugin_objects(plugins)
         enabled = cfg.enabled_plugins(raw)
         raw["plugins"] = enabled + [name for name in objects if name not in enabled]
-        self.plugin_manager = PluginManager(raw["plugins"], objects)
+        origins = {name: "Run(plugins=...)" if name in objects else "the run config" if name in in_config
+                   else PLUGINS_ENV if name in environment.added else "--plugins" for name in raw["plugins"]}
+        self.plugin_manager = PluginManager(raw["plugins"], objects, origins=origins, excluded=environment.excluded,
+                                            required=cfg.required_plugins(raw))
         self.hook = self.plugin_manager.hook
         self.isolated_hooks = IsolatedHooks(self)  # the logging hooks and on_checkpoint_saved
         self.registries = self.plugin_manager.registries
@@ -89,6 +97,8 @@ class Run:
         _check_values(self.config.train)
         # levels for what configure logs; setup() sets them again from the strategy's ranks
         setup_logging(self.config.train, env_rank("RANK"), env_rank("LOCAL_RANK"))
+        if left_out:
+            logger.info("%s excludes %s: not loaded in this run", PLUGINS_ENV, ", ".join(map(repr, left_out)))
 
         self.state = TrainState()
         self.control = Control()

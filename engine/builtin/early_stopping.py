@@ -21,7 +21,6 @@ where an uninterrupted one would.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from engine import hookimpl, option
@@ -29,7 +28,6 @@ from engine.checkpoint import improves, metric_value
 from engine.errors import ConfigError
 
 PLUGIN = "early_stopping"
-logger = logging.getLogger("engine.early_stopping")
 
 
 @dataclass
@@ -76,7 +74,6 @@ class EarlyStopping:
         if self.evaluations_without_improvement >= options.patience:
             reason = (f"{run.config.train.metric_for_best_model} did not improve on {self.best} for "
                       f"{self.evaluations_without_improvement} evaluations")
-            logger.info("early stopping at step %d: %s", run.state.global_step, reason)
             run.control.request_stop(reason)
 
     @hookimpl

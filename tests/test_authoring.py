@@ -1,0 +1,206 @@
+"""Plugin authors' tools: ``engine plugins --check`` names each mistake; ``engine plugins new`` writes a
+package that installs, passes its own test and runs in a composed run."""
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from engine.authoring import KINDS, hook_contract
+from engine.cli import main
+from engine.testing import write_run_file
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _check(capfd, spec):
+    status = main(["plugins", "--check", str(spec)])
+    out, err = capfd.readouterr()
+    return status, out, err
+
+
+def _module(folder: Path, name: str, source: str) -> Path:
+    path = folder / f"{name}.py"
+    path.write_text(textwrap.dedent(source))
+    return path
+
+
+# ---------------------------------------------------------------------------- --check
+
+
+def test_a_module_without_an_entry_point_is_named(tmp_path, capfd):
+    path = _module(tmp_path, "engine_gradclip", """
+        from engine import hookimpl
+
+        @hookimpl
+        def on_step_end(run):
+            pass
+    """)
+    status, out, _ = _check(capfd, path)
+    assert status == 1
+    assert ("PROBLEM  no installed entry point in group 'engine.plugins' names module 'engine_gradclip', so no run "
+            "can enable it: add [project.entry-points.\"engine.plugins\"] gradclip = \"engine_gradclip\"") in out
+    assert "ok       hooks: on_step_end" in out and out.rstrip().endswith("1 problem(s)")
+
+
+def test_a_misspelt_hook_argument_an_unmarked_hook_and_near_names_are_each_named(tmp_path, capfd):
+    path = _module(tmp_path, "engine_mistakes", """
+        from engine import hookimpl
+
+        @hookimpl
+        def compute_loss(run, model, batch, num_items):
+            pass
+
+        def on_step_end(run):
+            pass
+
+        def on_evaluated(run, metrics):
+            pass
+
+        @hookimpl
+        def on_epoch_edn(run):
+            pass
+
+        def helper(run):  # a plain function of the plugin: not a problem
+            pass
+    """)
+    status, out, _ = _check(capfd, path)
+    assert status == 1
+    problems = [line.strip().removeprefix("PROBLEM  ") for line in out.splitlines() if "PROBLEM" in line]
+    assert ("plugin 'mistakes': compute_loss takes 'num_items' (did you mean 'num_items_in_batch'?), which the hook "
+            "does not pass; compute_loss passes (run, model, batch, num_items_in_batch), take any of them") in problems
+    assert ("plugin 'mistakes' defines on_step_end without @engine.hookimpl, so it would never be called; mark it "
+            "with @hookimpl") in problems
+    assert any(p.startswith("on_evaluated looks like hook 'on_evaluate' but is not one") for p in problems)
+    assert "helper" not in out
+
+
+def test_an_unknown_marked_hook_names_the_closest(tmp_path, capfd):
+    path = _module(tmp_path, "engine_typo", """
+        from engine import hookimpl
+
+        @hookimpl
+        def on_epoch_edn(run):
+            pass
+    """)
+    status, out, _ = _check(capfd, path)
+    assert status == 1 and "unknown hook 'on_epoch_edn' (did you mean 'on_epoch_end'?)" in out
+
+
+def test_an_options_schema_whose_defaults_do_not_fit_is_named(tmp_path, capfd):
+    path = _module(tmp_path, "engine_options", """
+        from dataclasses import dataclass, field
+        from engine import hookimpl, option
+
+        @dataclass
+        class Options:
+            rank: int = option(0.5, help="projection rank")
+            ratio: float = option(2.0, help="share", max=1)
+            plain: int = field(default=1)
+
+        @hookimpl
+        def plugin_options():
+            return Options
+    """)
+    status, out, _ = _check(capfd, path)
+    assert status == 1
+    assert "options Options.plain has no help text: declare it with engine.option(default, help=...)" in out
+    assert "options Options: the defaults are not valid: options.rank: expected int, got float 0.5" in out
+
+
+def test_a_project_without_entry_points_or_not_installed_is_named(tmp_path, capfd):
+    project = tmp_path / "engine-late"
+    project.mkdir()
+    (project / "pyproject.toml").write_text('[project]\nname = "engine-late"\nversion = "0.1"\n')
+    status, out, _ = _check(capfd, project)
+    assert status == 1 and "pyproject.toml declares no entry point in group 'engine.plugins'" in out
+    (project / "pyproject.toml").write_text('[project]\nname = "engine-late"\nversion = "0.1"\n'
+                                            '[project.entry-points."engine.plugins"]\nlate = "engine_late"\n')
+    _module(project, "engine_late", "from engine import hookimpl\n\n@hookimpl\ndef on_train_end(run):\n    pass\n")
+    status, out, _ = _check(capfd, project)
+    assert status == 1
+    assert f"entry point 'late' is declared but not installed: pip install -e {project}" in out
+    assert "ok       hooks: on_train_end" in out  # inspected from the folder all the same
+
+
+@pytest.mark.parametrize("spec", ["engine_lion", str(ROOT / "contrib" / "lion")])
+def test_an_installed_plugin_checks_clean(capfd, spec):
+    status, out, _ = _check(capfd, spec)
+    assert status == 0, out
+    assert "registers optimizer lion" in out and "options schema LionOptions" in out
+    assert out.rstrip().endswith("no problems found")
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    ("no/such/place.py", "--check: no/such/place.py does not exist (give a project folder, a module file or a "
+                         "module name)"),
+    ("not_a_module_xyz", "--check: 'not_a_module_xyz' is not a path here and no module 'not_a_module_xyz' is importable"),
+])
+def test_a_check_of_nothing_is_one_line(capfd, spec, fragment):
+    status, out, err = _check(capfd, spec)
+    assert status == 2 and err == f"engine: error: {fragment}\n"
+
+
+# ---------------------------------------------------------------------------- new
+
+
+def test_each_hook_in_a_scaffold_carries_its_contract():
+    text = hook_contract("configure", 4)
+    assert text.startswith("Validate the composed run and refuse conflicts, before anything heavy loads.")
+    assert "    **When**: once, after the config is composed" in text
+    assert text.rstrip().endswith("The whole contract: engine.hookspecs.configure (docs/hooks.md of the engine).")
+
+
+@pytest.fixture(scope="module")
+def scaffolded(tmp_path_factory):
+    """One package per kind written by ``engine plugins new``, pip-installed (editable) into this
+    environment for the module's tests and uninstalled afterwards."""
+    parent = tmp_path_factory.mktemp("scaffold")
+    folders = {}
+    for kind in KINDS:
+        name = f"scaffolded_{kind}"
+        assert main(["plugins", "new", name, "--kind", kind, "--dir", str(parent)]) == 0
+        folders[kind] = parent / f"engine-scaffolded-{kind}"
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                              *[arg for folder in folders.values() for arg in ("-e", str(folder))]],
+                             capture_output=True, text=True)
+    assert install.returncode == 0, install.stderr
+    yield folders
+    subprocess.run([sys.executable, "-m", "pip", "uninstall", "-q", "-y",
+                    *[f"engine-scaffolded-{kind}" for kind in KINDS]], capture_output=True, check=True)
+
+
+# options each kind's composed run sets, and what shows that the plugin took part
+COMPOSED = {
+    "optimizer": ({"optim": "scaffolded_optimizer"}, {"scaffolded_optimizer": {"momentum": 0.5}}),
+    "loss": ({}, {"scaffolded_loss": {"label_smoothing": 0.1}}),
+    "tracker": ({}, {}),
+    "callback": ({"eval_strategy": "steps", "eval_steps": 1}, {"scaffolded_callback": {"target": 1e9}}),
+}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_scaffolded_plugin_passes_its_own_test_and_runs_composed(scaffolded, kind, tmp_path, capfd):
+    folder = scaffolded[kind]
+    name = f"scaffolded_{kind}"
+    assert (folder / "pyproject.toml").is_file() and (folder / "README.md").is_file()
+    own = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=folder,
+                         capture_output=True, text=True)
+    assert own.returncode == 0, own.stdout[-3000:]
+    status, report, _ = _check(capfd, folder)
+    assert status == 0 and report.rstrip().endswith("no problems found"), report
+    train, sections = COMPOSED[kind]
+    run_file = write_run_file(tmp_path, [name, "lion"], sections, max_steps=2, save_steps=2, **train)
+    composed = subprocess.run([sys.executable, "-m", "engine", "train", str(run_file), "--set", "data.eval_split=0.1"],
+                              capture_output=True, text=True)
+    assert composed.returncode == 0, composed.stderr[-3000:]
+    out = tmp_path / "out"
+    record = json.loads((out / "run.json").read_text())
+    assert record["versions"]["plugins"] == {name: f"engine-scaffolded-{kind} 0.1.0", "lion": "engine-lion 0.1.0"}
+    if kind == "tracker":
+        assert (out / f"{name}.jsonl").read_text().splitlines()[-1] == '{"status": "success"}'
+    if kind == "callback":
+        assert f"stopped at step 1 of 2: {name}: eval_loss" in composed.stderr  # at the first evaluation
