@@ -12,7 +12,7 @@ import tomllib
 import torch
 
 from engine.plugins import describe_installed, installed_plugins
-from engine.testing import logged_scalars, run_steps
+from engine.testing import launch_cases, logged_scalars, max_difference, run_steps, tiny_dataset, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = sorted(p.parent for p in (ROOT / "contrib").glob("*/pyproject.toml"))
@@ -20,6 +20,12 @@ FOLDERS = sorted(p.parent for p in (ROOT / "contrib").glob("*/pyproject.toml"))
 # engine.util only `require`. Anything else is the core's own business and may change.
 PUBLIC_MODULES = {"engine", "engine.loss", "engine.tracking", "engine.testing"}
 PUBLIC_NAMES = {"engine.util": {"require"}}
+
+
+def _csv_scalars(path):
+    with open(path, newline="") as handle:
+        return {(name, int(row["step"])): float(value) for row in csv.DictReader(handle)
+                for name, value in row.items() if name != "step" and value != ""}
 
 
 def test_contrib_holds_the_three_examples():
@@ -84,7 +90,21 @@ def test_the_three_compose_in_one_run(tmp_path):
     assert weighted > plain
     scalars = logged_scalars(tmp_path)
     assert scalars[("loss", 12)] == losses[-1]
-    with open(tmp_path / "metrics.csv", newline="") as handle:
-        rows = list(csv.DictReader(handle))
-    assert {(name, int(row["step"])): float(value) for row in rows for name, value in row.items()
-            if name != "step" and value != ""} == scalars
+    assert _csv_scalars(tmp_path / "metrics.csv") == scalars
+
+
+def test_two_processes_with_the_loss_and_the_tracker_match_one_process(tmp_path):
+    """weighted_loss keeps the compute_loss contract across processes (2 x 2 rows = 1 x 4 rows, ragged
+    data); csv_tracker writes on the main process only (two writers would double the rows)."""
+    train = {"optim": "sgd", "optim_args": "momentum=0.9", "learning_rate": 0.05, "logging_steps": 1}
+    sections = {"weighted_loss": {"class_weights": [1.0 + i % 4 for i in range(128)], "label_smoothing": 0.1}}
+    cases = [{"name": "ddp", "steps": 4, "plugins": ["ddp", "weighted_loss", "csv_tracker"], "ragged": True,
+              "train": {**train, "per_device_train_batch_size": 2}, "sections": sections}]
+    trained = launch_cases(cases, tmp_path)
+    reference = run_steps(4, plugins=["weighted_loss"], model=tiny_model(seed=0), output_dir=tmp_path / "one",
+                          dataset=tiny_dataset(size=64, ragged=True), sections=sections,
+                          train={**train, "per_device_train_batch_size": 4})
+    assert max_difference(trained["ddp"], reference.model) < 1e-6
+    assert _csv_scalars(tmp_path / "ddp" / "metrics.csv") == logged_scalars(tmp_path / "ddp")
+    with open(tmp_path / "ddp" / "metrics.csv", newline="") as handle:
+        assert [row["step"] for row in csv.DictReader(handle)] == ["1", "2", "3", "4", "4"]

@@ -12,7 +12,7 @@ from engine_csv_tracker import CsvTracker
 import engine
 import engine.plugins
 from engine import hookimpl
-from engine.testing import launch_cases, logged_scalars, run_steps, tiny_dataset
+from engine.testing import logged_scalars, run_steps, tiny_dataset
 
 # metrics that differ between any two runs (times), and train_loss, which the engine averages over the
 # steps this process trained (after a resume: since the checkpoint), in metrics.jsonl too
@@ -164,12 +164,4 @@ def test_a_resumed_run_ends_with_the_csv_of_an_uninterrupted_one(tmp_path):
     _assert_same_as_jsonl(interrupted)
 
 
-# ---------------------------------------------------------------------------- processes
-
-
-def test_only_the_main_process_writes(tmp_path):
-    cases = [{"name": "ddp", "steps": 3, "plugins": ["ddp", "csv_tracker"],
-              "train": {"per_device_train_batch_size": 2, "logging_steps": 1}}]
-    launch_cases(cases, tmp_path)
-    _assert_same_as_jsonl(tmp_path / "ddp")  # two writers would have doubled the rows
-    assert [row["step"] for row in _rows(tmp_path / "ddp" / "metrics.csv")[1]] == ["1", "2", "3", "3"]
+# Only the main process writes: tests/test_contrib.py trains a 2-process DDP run with this plugin.

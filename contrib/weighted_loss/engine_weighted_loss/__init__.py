@@ -184,6 +184,8 @@ class WeightedLoss:
         self.spec: list[float] | dict[int, float] | str | None = None
         self.weight: torch.Tensor | None = None  # per class; None: unweighted (or not known yet)
         self.active = False  # False: nothing to weight or smooth, the builtin loss answers
+        self.label_smoothing = 0.0
+        self.apply_to_eval = True
 
     @hookimpl
     def plugin_options(self):
@@ -198,6 +200,7 @@ class WeightedLoss:
                 f"{PLUGIN}.label_smoothing = {run.config.train.label_smoothing_factor} instead (and "
                 "train.label_smoothing_factor = 0)")
         self.spec = parse_class_weights(options.class_weights)
+        self.label_smoothing, self.apply_to_eval = options.label_smoothing, options.apply_to_eval
         uniform = self.spec is None or (self.spec != "balanced" and all(
             value == 1.0 for value in (self.spec if isinstance(self.spec, list) else self.spec.values())))
         self.active = not uniform or options.label_smoothing > 0
@@ -232,7 +235,7 @@ class WeightedLoss:
         labels = batch.get("labels")
         if not self.active or labels is None:
             return None  # the builtin loss answers
-        if not model.training and not run.config.section(PLUGIN).apply_to_eval:
+        if not model.training and not self.apply_to_eval:
             return None
         if labels.is_floating_point():
             raise engine.ConfigError(f"{PLUGIN}: the labels are floats (regression or multi-label targets); "
@@ -249,5 +252,5 @@ class WeightedLoss:
                                          f"{num_classes} classes")
             if weight.device != logits.device:
                 self.weight = weight = weight.to(logits.device)
-        return weighted_cross_entropy(logits, labels, weight, run.config.section(PLUGIN).label_smoothing,
-                                      run.label_shift, num_items_in_batch)
+        return weighted_cross_entropy(logits, labels, weight, self.label_smoothing, run.label_shift,
+                                      num_items_in_batch)

@@ -173,7 +173,8 @@ def test_accumulating_two_batches_of_two_equals_one_batch_of_four(tmp_path):
     difference = max((a - b).abs().max().item() for a, b in zip(big.model.parameters(), split.model.parameters()))
     assert difference < 1e-6
     assert _losses(big) == pytest.approx(_losses(split), abs=1e-5)
-    plain = run_steps(4, output_dir=tmp_path / "plain", dataset=dataset, train={**SGD, "per_device_train_batch_size": 4})
+    plain = run_steps(4, output_dir=tmp_path / "plain", dataset=dataset,
+                      train={**SGD, "per_device_train_batch_size": 4})
     assert same_weights(big.model, plain.model)  # the weights did change the updates
 
 
