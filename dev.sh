@@ -9,6 +9,7 @@ cd "$(dirname "$0")"
 VENV=${VENV:-.venv}
 PY="$VENV/bin/python"
 PLUGINS=(plugins/*/)
+CONTRIB=(contrib/*/)  # third-party-style plugins, each its own distribution
 
 install() {
     "$PY" -m pip install --upgrade pip &&
@@ -31,8 +32,8 @@ setup() {
         return
     fi
     python3 -m venv "$VENV"
-    local editables=(-e '.[test]' -e contrib/lion)
-    for plugin in "${PLUGINS[@]}"; do editables+=(-e "$plugin"); done
+    local editables=(-e '.[test]')
+    for plugin in "${PLUGINS[@]}" "${CONTRIB[@]}"; do editables+=(-e "$plugin"); done
     local log="$VENV/setup.log"  # pip's and setuptools' chatter: shown only when the install fails
     echo "engine: installing into $VENV (log: $log)" >&2
     if ! install "${editables[@]}" > "$log" 2>&1; then
@@ -48,6 +49,6 @@ case "${1:-}" in
     # the demo starts afresh each time; a plain `engine train` refuses to overwrite another run
     run) setup; shift; "$VENV/bin/engine" train --set train.overwrite_output_dir=true "$@" ;;
     test) setup; shift; "$PY" -m pytest tests contrib plugins "$@" ;;
-    wheels) setup; "$PY" -m pip wheel -q --no-deps -w wheelhouse . contrib/lion "${PLUGINS[@]}" ;;
+    wheels) setup; "$PY" -m pip wheel -q --no-deps -w wheelhouse . "${CONTRIB[@]}" "${PLUGINS[@]}" ;;
     *) echo "usage: ./dev.sh setup|run|test|wheels [args]" >&2; exit 2 ;;
 esac

@@ -25,7 +25,9 @@ def render() -> str:
             continue
         signature = str(inspect.signature(function)).replace("'", "")
         kind = hookspecs.combine_kind(name)
-        lines += [f"## `{name}{signature}`", "", f"*{kind}*", "", inspect.cleandoc(function.__doc__), ""]
+        # a stable anchor (hooks.md#compute_loss): the heading's own changes with the signature
+        lines += [f'<a id="{name}"></a>', "", f"## `{name}{signature}`", "", f"*{kind}*", "",
+                  inspect.cleandoc(function.__doc__), ""]
     return "\n".join(lines)
 
 
