@@ -143,3 +143,13 @@ def test_the_ema_plugin_works_and_resumes_as_written(tmp_path):
 def test_the_testing_example_runs_as_written(tmp_path):
     module = _import(tmp_path, "guide_csv_test", _block("python", "## Testing with", "# tests/test_csv_tracker.py"))
     module.test_the_csv_holds_what_metrics_jsonl_holds(tmp_path / "run")
+
+
+def test_the_check_example_is_what_the_check_prints(tmp_path):
+    shown = _block("console", "## Tools", "$ engine plugins --check engine_gradclip.py")
+    (tmp_path / "engine_gradclip.py").write_text(
+        "from engine import hookimpl\n\n\n@hookimpl\ndef compute_loss(run, model, batch, num_items):\n    return None\n")
+    result = subprocess.run([sys.executable, "-m", "engine", "plugins", "--check", "engine_gradclip.py"],
+                            cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 1
+    assert result.stdout == shown.split("\n", 1)[1]
