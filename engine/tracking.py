@@ -130,14 +130,18 @@ class BackgroundSender:
 class Tracker:
     """Base class of a tracker plugin (the entry point names the subclass: one instance per run).
 
-    Subclasses set ``extra`` (the plugin's name and pip extra), ``package`` (the module its
-    client imports) and ``options`` (the options dataclass), and set ``self.run_id`` to the
-    backend's id of the run once it exists: it is kept in checkpoints, and a resumed run finds it
-    there to continue the same tracker run (None: nothing to keep).
+    Subclasses set ``extra`` (the plugin's name), ``package`` (the module its client imports),
+    ``distribution`` when pip names that package otherwise, and ``options`` (the options
+    dataclass), and set ``self.run_id`` to the backend's id of the run once it exists: it is kept
+    in checkpoints, and a resumed run finds it there to continue the same tracker run (None:
+    nothing to keep). A missing package is refused at configure time with the pip command: the
+    engine extra for a first-party tracker (``pip install 'engine[mlflow]'``), else the
+    distribution (``pip install my-client``).
     """
 
     extra: str
     package: str
+    distribution: str | None = None
     options: type
 
     def __init__(self):
@@ -149,7 +153,10 @@ class Tracker:
 
     @hookimpl
     def configure(self, run):
-        require(self.package, feature=f"plugins = [{self.extra!r}]", extra=self.extra)
+        from .catalogue import FIRST_PARTY
+
+        require(self.package, self.distribution, feature=f"plugins = [{self.extra!r}]",
+                extra=self.extra if self.extra in FIRST_PARTY else None)
 
     @hookimpl
     def checkpoint_state(self, run):

@@ -67,3 +67,26 @@ def test_background_sender_close_reports_a_failure_of_the_last_calls():
     sender.submit(lambda: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         sender.close()
+
+
+@pytest.mark.parametrize("extra, install", [("mlflow", "pip install 'engine[mlflow]'"),
+                                            ("thirdparty", "pip install not-here-client")])
+def test_a_tracker_without_its_package_names_what_to_install(extra, install):
+    from dataclasses import dataclass
+
+    from engine import Run
+    from engine.errors import MissingDependencyError
+    from engine.tracking import Tracker
+
+    @dataclass
+    class Options:
+        pass
+
+    class Missing(Tracker):
+        package, distribution, options = "not_here_xyz", "not-here-client", Options
+
+    Missing.extra = extra
+    with pytest.raises(MissingDependencyError) as err:
+        Run({}, plugins={extra: Missing()})
+    assert str(err.value) == (f"package 'not-here-client' is needed for plugins = [{extra!r}] (missing module "
+                              f"'not_here_xyz'): {install}")
