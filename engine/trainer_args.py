@@ -548,8 +548,8 @@ FIELDS: dict[str, Answer] = _named({
     "save_only_model": not_yet("checkpoints always hold the optimizer, scheduler and RNG states (they resume)"),
     "save_strategy": accepted(note="'best' has no counterpart yet"),
     "save_steps": accepted(convert=_steps_or_ratio, note=_STEP_NOTE),
-    "save_on_each_node": builtin("only the main process writes checkpoints: put output_dir on storage "
-                                 "every node sees"),
+    "save_on_each_node": builtin("a checkpoint is written once per run (its metadata by the main process), "
+                                 "not once per node: put output_dir on storage every node sees"),
     "save_total_limit": accepted(),
     "enable_jit_checkpoint": not_yet("a SIGTERM stops the run; it resumes from its last checkpoint"),
     "push_to_hub": plugin("hub", convert=_push_to_hub, note="true enables the plugin"),
