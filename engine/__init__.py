@@ -49,6 +49,7 @@ _LAZY = {
     "target_linear_parameters": "engine.optim",
     "strategy_name": "engine.strategy",
     "require": "engine.util",
+    "migrate": "engine.migration",
 }
 
 __all__ = ["hookimpl", "__version__", *_LAZY]

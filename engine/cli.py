@@ -1,4 +1,4 @@
-"""The ``engine`` command: train, evaluate, plan, plugins.
+"""The ``engine`` command: train, evaluate, plan, plugins, migrate.
 
 Exit status: 0 success; 2 bad input (a missing run file, a TOML syntax error, an unknown
 plugin, optimizer or key, a wrong type, an output_dir in use by another run, a damaged
@@ -66,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     plugins.add_argument("--kind", choices=("optimizer", "loss", "tracker", "callback"), help=(
         "with new: the hooks to start from (default: callback)"))
     plugins.add_argument("--dir", metavar="FOLDER", help="with new: where engine-NAME/ is written (default: here)")
+    migrate = commands.add_parser("migrate", help=(
+        "write a run file from transformers TrainingArguments (a to_json_string() dump); the report of what "
+        "was mapped, and of what has no counterpart, goes to stderr"))
+    migrate.add_argument("arguments", metavar="ARGS.json", help="TrainingArguments.to_json_file() output")
+    migrate.add_argument("-o", "--output", metavar="RUN.toml", help="write the run file here (default: stdout)")
+    migrate.add_argument("--force", action="store_true", help="overwrite an existing -o file")
     return parser
 
 
@@ -232,6 +238,27 @@ def _list_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def _migrate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .errors import ConfigError
+    from .migration import migrate, read_arguments
+
+    output = Path(args.output) if args.output else None
+    if output is not None and output.exists() and not args.force:
+        raise ConfigError(f"-o {output}: the file exists; pass --force to overwrite it")
+    migration = migrate(read_arguments(args.arguments), source=args.arguments)
+    if output is None:
+        sys.stdout.write(migration.toml())
+    else:
+        try:
+            output.write_text(migration.toml(), encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"-o {output}: cannot write: {exc.strerror}") from None
+    print(migration.report(), file=sys.stderr)
+    return 0
+
+
 RANK_ERROR_DELAY_S = 2.0
 
 
@@ -287,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     import os
 
     args = build_parser().parse_args(_join_plugin_edits(sys.argv[1:] if argv is None else list(argv)))
-    command = {"train": _train, "evaluate": _evaluate, "plan": _plan, "plugins": _plugins}[args.command]
+    command = {"train": _train, "evaluate": _evaluate, "plan": _plan, "plugins": _plugins,
+               "migrate": _migrate}[args.command]
     show_traceback = getattr(args, "traceback", False) or os.environ.get("ENGINE_TRACEBACK") == "1"
     try:
         return command(args)

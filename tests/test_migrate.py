@@ -1,0 +1,305 @@
+"""``engine migrate``: TrainingArguments dumps of realistic Trainer runs become run files that
+``engine plan`` accepts (real processes), with the values read back from the file and from the
+plan's composed config; and the table behind it answers every field of the installed transformers."""
+
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from transformers import TrainingArguments
+
+import engine
+from engine.config import TrainConfig
+from engine.plugins import PluginManager, installed_plugins
+from engine.trainer_args import ACCEPTED, FIELDS, KINDS, LEGACY, PLUGIN
+
+ROOT = Path(__file__).resolve().parents[1]
+DEEPSPEED_ZERO2 = {
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+    "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
+                          "reduce_bucket_size": "auto", "allgather_bucket_size": 5e8},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                       "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+}
+
+
+def engine_command(*args, cwd, env=None):
+    return subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True, cwd=cwd,
+                          env=env, timeout=300)
+
+
+def convert(folder, name, arguments, command=False):
+    """``arguments`` dumped to NAME.json and converted to NAME.toml, by ``engine migrate`` in a process of
+    its own or by ``engine.migrate`` here: (the run file parsed, the report)."""
+    (folder / f"{name}.json").write_text(arguments.to_json_string())
+    if command:
+        result = engine_command("migrate", f"{name}.json", "-o", f"{name}.toml", cwd=folder)
+        assert result.returncode == 0, result.stderr
+        report = result.stderr
+    else:
+        migration = engine.migrate(json.loads((folder / f"{name}.json").read_text()), source=f"{name}.json")
+        (folder / f"{name}.toml").write_text(migration.toml())
+        report = migration.report()
+    return tomllib.loads((folder / f"{name}.toml").read_text()), report
+
+
+def plan(folder, name, env=None):
+    """``engine plan NAME.toml``: (its text, its composed config parsed)."""
+    result = engine_command("plan", f"{name}.toml", cwd=folder, env=env)
+    assert result.returncode == 0, result.stderr
+    return result.stdout, tomllib.loads(result.stdout.split("config (defaults filled in):", 1)[1])
+
+
+def requires(*plugins):
+    missing = [name for name in plugins if name not in installed_plugins()]
+    return pytest.mark.skipif(bool(missing), reason=f"plugins not installed: {missing}")
+
+
+# ---------------------------------------------------------------------------- the table
+
+
+def test_every_field_of_the_installed_transformers_has_an_answer():
+    names = [f.name for f in dataclasses.fields(TrainingArguments)]
+    unanswered = [name for name in names if name not in FIELDS]
+    assert not unanswered, f"TrainingArguments fields without an answer in engine/trainer_args.py: {unanswered}"
+    gone = [name for name in FIELDS if name not in names]
+    assert not gone, f"no longer TrainingArguments fields (move them to LEGACY): {gone}"
+    assert not set(LEGACY) & set(names), "LEGACY holds current fields"
+    assert list(FIELDS) == names  # the table reads in the dataclass's order
+    for name, answer in {**FIELDS, **LEGACY}.items():
+        assert answer.kind in KINDS, name
+        if answer.kind in (ACCEPTED, PLUGIN):
+            assert answer.keys or answer.convert, name
+        else:
+            assert answer.note and not answer.keys and not answer.convert, name
+        assert (name in LEGACY) == bool(answer.legacy_defaults), name
+
+
+def test_every_answer_names_a_real_train_key_or_plugin_option():
+    plugins = sorted({p for answer in {**FIELDS, **LEGACY}.values() for p in answer.plugins})
+    missing = [p for p in plugins if p not in installed_plugins()]
+    if missing:
+        pytest.skip(f"plugins not installed: {missing}")
+    schemas = {"train": TrainConfig, **PluginManager(enabled=plugins).option_schemas()}
+    for name, answer in {**FIELDS, **LEGACY}.items():
+        if answer.kind == ACCEPTED:
+            assert any(key.startswith("train.") for key in answer.keys), name
+        if answer.kind == PLUGIN:
+            assert answer.plugins, name
+        for key in answer.keys:
+            section, option = key.split(".", 1)
+            assert section == "train" or section in answer.plugins, (name, key)
+            assert option in {f.name for f in dataclasses.fields(schemas[section])}, (name, key)
+
+
+def test_trainer_arguments_doc_is_up_to_date():
+    spec = importlib.util.spec_from_file_location("generate", ROOT / "docs" / "generate_trainer_arguments.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert (ROOT / "docs" / "trainer-arguments.md").read_text() == module.render(), \
+        "docs/trainer-arguments.md is stale: run python docs/generate_trainer_arguments.py"
+
+
+# ---------------------------------------------------------------------------- realistic runs
+
+
+def test_defaults_write_only_where_the_engines_default_differs(tmp_path):
+    run, report = convert(tmp_path, "defaults", TrainingArguments(output_dir="out/defaults"), command=True)
+    # Trainer's adamw_torch_fused and logging every 500 steps, not the engine's adamw_torch and 10
+    assert run == {"plugins": [], "train": {"output_dir": "out/defaults", "optim": "adamw_torch_fused",
+                                            "logging_steps": 500}, "data": {}}
+    assert 'train.logging_steps = 500 (engine default: 10)' in report
+    assert 'train.optim = "adamw_torch_fused" (engine default: "adamw_torch")' in report
+    assert "not converted" not in report  # nothing set away from Trainer's default
+    idle = report.split("no counterpart, at Trainer's default (docs/trainer-arguments.md): ", 1)[1].splitlines()[0]
+    assert {"eval_on_start", "do_train", "local_rank", "tf32"} <= set(idle.split(", "))
+    text = (tmp_path / "defaults.toml").read_text()
+    assert '# model = "path/to/model"' in text and '# train = "data/train.jsonl"' in text
+
+    stdout, config = plan(tmp_path, "defaults")
+    assert "optimizer  selected 'adamw_torch_fused' from builtin.optimizers" in stdout
+    assert config["train"]["logging_steps"] == 500 and config["train"]["model"] == "tiny-llama"
+
+
+def test_lora_style_finetune_with_galore(tmp_path):
+    arguments = TrainingArguments(
+        output_dir="out/galore", optim="galore_adamw", optim_target_modules=["self_attn", "mlp"],
+        optim_args="rank=64,update_proj_gap=100,scale=0.25", learning_rate=2e-4, weight_decay=0.01,
+        lr_scheduler_type="cosine", warmup_steps=0.1, per_device_train_batch_size=4, gradient_accumulation_steps=4,
+        max_steps=200, logging_steps=0.05, eval_strategy="steps", eval_steps=50, save_strategy="steps",
+        save_steps=100, save_total_limit=2, load_best_model_at_end=True, seed=7, bf16=False,
+        gradient_checkpointing=True, report_to="none", eval_on_start=True, do_train=True)
+    run, report = convert(tmp_path, "galore", arguments)
+    assert run["plugins"] == ["galore"]
+    assert run["train"] == {
+        "output_dir": "out/galore", "seed": 7, "max_steps": 200, "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 4, "learning_rate": 2e-4, "weight_decay": 0.01, "optim": "galore_adamw",
+        "optim_args": "rank=64,update_proj_gap=100,scale=0.25", "optim_target_modules": ["self_attn", "mlp"],
+        "lr_scheduler_type": "cosine", "warmup_ratio": 0.1, "activation_checkpointing": True,
+        "logging_steps": 10, "eval_strategy": "steps", "eval_steps": 50, "save_steps": 100, "save_total_limit": 2,
+        "load_best_model_at_end": True, "metric_for_best_model": "loss", "greater_is_better": False}
+    assert "optim -> plugins += ['galore']" in report
+    assert "logging_steps -> train.logging_steps = 10 (0.05 x max_steps 200, rounded up as Trainer does)" in report
+    assert "warmup_steps -> train.warmup_ratio = 0.1" in report
+    assert "eval_on_start = true: no counterpart yet: run `engine evaluate` before training" in report
+    assert "do_train = true: refused: a flag for training scripts" in report
+    assert "#   eval_on_start = true: no counterpart yet" in (tmp_path / "galore.toml").read_text()
+
+    stdout, config = plan(tmp_path, "galore")
+    assert "optimizer  selected 'galore_adamw' from galore" in stdout
+    assert "scheduler  selected 'cosine' from builtin.schedulers" in stdout
+    assert {key: config["train"][key] for key in run["train"]} == run["train"]
+
+
+@requires("fsdp")
+def test_fsdp_run(tmp_path):
+    arguments = TrainingArguments(
+        output_dir="out/fsdp", fsdp="full_shard auto_wrap", ddp_timeout=3600, bf16=False, fsdp_config={
+            "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "backward_prefetch": "backward_pre",
+            "forward_prefetch": False, "use_orig_params": True, "cpu_ram_efficient_loading": True,
+            "sync_module_states": True, "state_dict_type": "SHARDED_STATE_DICT", "activation_checkpointing": True})
+    run, report = convert(tmp_path, "fsdp", arguments)
+    assert run["plugins"] == ["fsdp"]
+    assert run["fsdp"] == {"wrap_modules": ["LlamaDecoderLayer"], "reshard_after_forward": True,
+                           "state_dict_type": "sharded", "timeout": 3600.0}
+    assert run["train"]["activation_checkpointing"] is True  # FSDP's activation checkpointing of each block
+    assert "fsdp_config.backward_prefetch -> FSDP2's own backward prefetch" in report
+    assert "ddp_timeout -> fsdp.timeout = 3600.0" in report
+
+    stdout, config = plan(tmp_path, "fsdp")
+    assert "strategy   selected 'fsdp' from fsdp" in stdout
+    assert {key: config["fsdp"][key] for key in run["fsdp"]} == run["fsdp"]
+    assert config["fsdp"]["cpu_offload"] is False
+
+
+@requires("deepspeed")
+def test_deepspeed_zero2_as_a_table_and_as_a_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # TrainingArguments reads a DeepSpeed path from the working folder
+    run, report = convert(tmp_path, "zero2", TrainingArguments(output_dir="out/ds", deepspeed=DEEPSPEED_ZERO2,
+                                                               per_device_train_batch_size=2))
+    expected = json.loads(json.dumps(DEEPSPEED_ZERO2))
+    del expected["scheduler"], expected["zero_optimization"]["reduce_bucket_size"]
+    assert run["plugins"] == ["deepspeed"] and run["deepspeed"] == {"config": expected}
+    assert "deepspeed.scheduler = " in report and "the engine's scheduler drives the learning rate" in report
+    assert 'deepspeed.zero_optimization.reduce_bucket_size = "auto": Trainer sizes it from the model' in report
+    stdout, config = plan(tmp_path, "zero2")
+    assert "strategy   selected 'deepspeed' from deepspeed" in stdout
+    assert config["deepspeed"]["config"] == expected and config["train"]["per_device_train_batch_size"] == 2
+
+    plain = {key: value for key, value in expected.items() if key != "optimizer"}
+    (tmp_path / "ds_plain.json").write_text(json.dumps(plain))
+    (tmp_path / "ds_trainer.json").write_text(json.dumps(DEEPSPEED_ZERO2))
+    run, _ = convert(tmp_path, "plain", TrainingArguments(output_dir="out/plain", deepspeed="ds_plain.json"))
+    assert run["deepspeed"] == {"config": "ds_plain.json"}  # the file as it is
+    stdout, _ = plan(tmp_path, "plain")
+    assert "strategy   selected 'deepspeed' from deepspeed" in stdout
+    run, report = convert(tmp_path, "trainer", TrainingArguments(output_dir="out/t", deepspeed="ds_trainer.json"))
+    assert run["deepspeed"] == {"config": expected}  # its content, without what the engine would refuse
+    assert "deepspeed -> deepspeed.config = " in report and "(the content of ds_trainer.json)" in report
+
+
+@requires("tensorboard", "mlflow", "neftune", "liger", "hub")
+def test_trackers_neftune_liger_and_the_hub(tmp_path):
+    sys.path.insert(0, str(ROOT / "plugins" / "hub" / "tests"))  # the fake Hub server of the hub plugin's tests
+    from fake_hub import serve
+
+    arguments = TrainingArguments(
+        output_dir="out/misc", report_to=["tensorboard", "mlflow", "comet_ml"], run_name="exp-1",
+        neftune_noise_alpha=5.0, use_liger_kernel=True,
+        liger_kernel_config={"rope": True, "cross_entropy": False, "fused_linear_cross_entropy": True},
+        push_to_hub=True, hub_model_id="user/my-model", hub_strategy="checkpoint", hub_revision="dev",
+        project="not-trackio")
+    run, report = convert(tmp_path, "misc", arguments)
+    assert run["plugins"] == ["liger", "neftune", "tensorboard", "mlflow", "hub"]
+    assert run["neftune"] == {"noise_alpha": 5.0}
+    assert run["liger"] == {"rope": True, "cross_entropy": False, "fused_linear_cross_entropy": True}
+    assert run["hub"] == {"repo": "user/my-model", "strategy": "checkpoint", "revision": "dev"}
+    assert run["train"]["run_name"] == "exp-1" and "hub_token" not in json.dumps(run)
+    assert "report_to 'comet_ml': no engine plugin reports to comet_ml" in report
+    assert 'project = "not-trackio": used by plugin trackio only, which no argument enables' in report
+
+    hub, server = serve()
+    try:
+        env = {**os.environ, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": f"http://127.0.0.1:{server.server_port}",
+               "HF_HOME": str(tmp_path / "hf"), "HF_TOKEN": "hf_fakeToken", "HF_HUB_DISABLE_TELEMETRY": "1"}
+        stdout, config = plan(tmp_path, "misc", env=env)
+    finally:
+        server.shutdown()
+    assert list(hub.repos) == ["user/my-model"]  # the hub plugin checked the repo at configure
+    for name in run["plugins"]:
+        assert f"\n  {name} " in stdout
+    for section in ("neftune", "liger", "hub"):
+        assert {key: config[section][key] for key in run[section]} == run[section]
+
+
+def test_python_entry_point_takes_training_arguments(tmp_path):
+    arguments = TrainingArguments(output_dir="out/api", optim="adamw_torch", learning_rate=1e-4,
+                                  lr_scheduler_type="cosine", lr_scheduler_kwargs={"num_cycles": 0.25},
+                                  eval_strategy="epoch", logging_steps=25, neftune_noise_alpha=10.0)
+    migration = engine.migrate(arguments)
+    text = migration.toml()
+    assert tomllib.loads(text) == migration.mapping
+    assert migration.mapping["train"]["lr_scheduler_kwargs"] == {"num_cycles": 0.25}
+    (tmp_path / "api.json").write_text(arguments.to_json_string())
+    result = engine_command("migrate", "api.json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == text.replace("from TrainingArguments", "from api.json")
+
+
+def test_an_older_dump_and_fields_of_subclasses(tmp_path):
+    older = {"output_dir": "out/old", "evaluation_strategy": "steps", "eval_steps": 20, "warmup_ratio": 0.05,
+             "per_gpu_train_batch_size": 4, "logging_dir": "out/old/runs/Jan01_10-00-00_host",
+             "fsdp": [], "sharded_ddp": [], "overwrite_output_dir": True, "no_cuda": True,
+             "max_seq_length": 512, "dataset_text_field": "text"}  # the last two: TRL's SFTConfig
+    (tmp_path / "old.json").write_text(json.dumps(older))
+    result = engine_command("migrate", "old.json", "-o", "old.toml", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    run = tomllib.loads((tmp_path / "old.toml").read_text())
+    assert run["train"] == {"output_dir": "out/old", "per_device_train_batch_size": 4, "warmup_ratio": 0.05,
+                            "use_cpu": True, "eval_strategy": "steps", "eval_steps": 20}
+    assert "overwrite_output_dir = true: refused: a flag of the example scripts" in result.stderr
+    assert "not fields of transformers" in result.stderr and "not converted: max_seq_length, dataset_text_field" \
+        in result.stderr
+    assert "logging_dir" not in result.stderr  # Trainer's own default folder
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def _assert_one_line_error(result, fragment):
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("engine: error: "), result.stderr
+    assert fragment in lines[0]
+
+
+@pytest.mark.parametrize("content, fragment", [
+    ("output_dir: out\n", "args.json is not JSON (Expecting value: line 1 column 1 (char 0)); expected "
+                          "TrainingArguments.to_json_string() output"),
+    ('["output_dir"]', "args.json holds a JSON list, expected an object of TrainingArguments fields"),
+    (None, "args.json: no such file; name the JSON file TrainingArguments.to_json_file() wrote"),
+])
+def test_bad_arguments_file(tmp_path, content, fragment):
+    if content is not None:
+        (tmp_path / "args.json").write_text(content)
+    _assert_one_line_error(engine_command("migrate", "args.json", cwd=tmp_path), fragment)
+
+
+def test_an_existing_output_is_kept_unless_forced(tmp_path):
+    (tmp_path / "args.json").write_text(json.dumps({"output_dir": "out", "learning_rate": 1e-3}))
+    (tmp_path / "run.toml").write_text("# mine\n")
+    _assert_one_line_error(engine_command("migrate", "args.json", "-o", "run.toml", cwd=tmp_path),
+                           "-o run.toml: the file exists; pass --force to overwrite it")
+    assert (tmp_path / "run.toml").read_text() == "# mine\n"
+    result = engine_command("migrate", "args.json", "-o", "run.toml", "--force", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert tomllib.loads((tmp_path / "run.toml").read_text())["train"]["learning_rate"] == 1e-3
