@@ -121,7 +121,7 @@ def _launcher(mapping: Mapping, key: str, value: Any, plugin: str | None) -> Non
     mapping.launcher[key] = value
 
 
-def _only(*accepted: Any, meaning: str) -> Callable[..., None]:
+def accept_only(*accepted: Any, meaning: str) -> Callable[..., None]:
     """A key the engine honours only at these values (TPU, SageMaker, ... settings at their defaults)."""
 
     def handle(mapping: Mapping, key: str, value: Any, plugin: str | None = None) -> None:
@@ -187,17 +187,17 @@ _TOP_LEVEL: dict[str, Callable[..., None]] = {
     **{key: _launcher for key in ("num_processes", "num_machines", "machine_rank", "main_process_ip",
                                   "main_process_port", "rdzv_backend", "same_network", "gpu_ids",
                                   "main_training_function", "enable_cpu_affinity")},
-    "compute_environment": _only("LOCAL_MACHINE", meaning="local processes (torchrun)"),
-    "debug": _only(False, meaning="no Accelerate debug checks"),
-    "downcast_bf16": _only("no", False, meaning="no TPU downcasting"),
-    "tpu_env": _only([], meaning="no TPU"),
-    "tpu_use_cluster": _only(False, meaning="no TPU"),
-    "tpu_use_sudo": _only(False, meaning="no TPU"),
-    "dynamo_config": _only({}, None, meaning="no torch.compile"),
+    "compute_environment": accept_only("LOCAL_MACHINE", meaning="local processes (torchrun)"),
+    "debug": accept_only(False, meaning="no Accelerate debug checks"),
+    "downcast_bf16": accept_only("no", False, meaning="no TPU downcasting"),
+    "tpu_env": accept_only([], meaning="no TPU"),
+    "tpu_use_cluster": accept_only(False, meaning="no TPU"),
+    "tpu_use_sudo": accept_only(False, meaning="no TPU"),
+    "dynamo_config": accept_only({}, None, meaning="no torch.compile"),
     "mixed_precision": _mixed_precision,
     "use_cpu": _use_cpu,
     # the tables below are defined after this one
-    "fsdp_config": _nested("fsdp", "FSDP", "an FSDP setting", lambda: _FSDP),
+    "fsdp_config": _nested("fsdp", "FSDP", "an FSDP setting", lambda: FSDP_CONFIG),
     "deepspeed_config": _nested("deepspeed", "DEEPSPEED", "a DeepSpeed setting", lambda: _DEEPSPEED),
 }
 
@@ -268,7 +268,8 @@ def _fsdp_version(mapping: Mapping, key: str, value: Any) -> None:
                                                                                else ""))
 
 
-_FSDP: dict[str, Callable[..., None]] = {
+# Accelerate's fsdp_config keys and their handlers (engine.trainer_args maps TrainingArguments.fsdp_config through them)
+FSDP_CONFIG: dict[str, Callable[..., None]] = {
     "fsdp_auto_wrap_policy": _fsdp_wrap,
     "fsdp_transformer_layer_cls_to_wrap": _section_key("fsdp.wrap_modules", _fsdp_layers),
     "fsdp_sharding_strategy": _fsdp_sharding,
@@ -277,14 +278,14 @@ _FSDP: dict[str, Callable[..., None]] = {
     "fsdp_state_dict_type": _fsdp_state_dict,
     "fsdp_backward_prefetch_policy": _fsdp_prefetch,
     "fsdp_backward_prefetch": _fsdp_prefetch,
-    "fsdp_forward_prefetch": _only(False, meaning="no forward prefetch (FSDP2's default)"),
-    "fsdp_use_orig_params": _only(True, False, meaning="FSDP2 always keeps the original parameters"),
-    "fsdp_sync_module_states": _only(True, False, meaning=(
+    "fsdp_forward_prefetch": accept_only(False, meaning="no forward prefetch (FSDP2's default)"),
+    "fsdp_use_orig_params": accept_only(True, False, meaning="FSDP2 always keeps the original parameters"),
+    "fsdp_sync_module_states": accept_only(True, False, meaning=(
         "every process builds the same weights (same checkpoint or seed); nothing to broadcast")),
-    "fsdp_cpu_ram_efficient_loading": _only(True, False, meaning=(
+    "fsdp_cpu_ram_efficient_loading": accept_only(True, False, meaning=(
         "every process loads the model itself (not only rank 0): more host memory at start")),
     "fsdp_version": _fsdp_version,
-    "fsdp_activation_checkpointing": _only(False, meaning="no activation checkpointing"),
+    "fsdp_activation_checkpointing": accept_only(False, meaning="no activation checkpointing"),
 }
 
 

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -279,6 +281,16 @@ def from_mapping(cls: type, data: dict[str, Any], path: str) -> Any:
         raise ConfigError(f"{path}: {exc}") from None
 
 
+def check_value(cls: type, key: str, value: Any, path: str) -> Any:
+    """One value for field ``key`` of dataclass ``cls``, converted and range-checked as a run file's
+    value is (ints widen to float); a ConfigError naming ``path`` otherwise."""
+    option = {f.name: f for f in dataclasses.fields(cls)}[key]
+    tp = typing.get_type_hints(cls)[key]
+    value = _convert(value, tp, path)
+    _check_bounds(option.metadata, value, tp, path)
+    return value
+
+
 def _check_bounds(metadata: Any, value: Any, tp: Any, path: str) -> None:
     """Refuse ``value`` outside the range its :func:`option` declares."""
     if metadata.get("nonempty") and value == "":
@@ -494,17 +506,26 @@ def compose(raw: dict[str, Any], schemas: dict[str, type | None]) -> RunConfig:
 # ---------------------------------------------------------------------------- TOML output
 
 
-def _toml_value(value: Any) -> str:
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def toml_key(key: str) -> str:
+    """A TOML key: bare when it can be, else quoted."""
+    return key if _BARE_KEY.fullmatch(key) else toml_value(key)
+
+
+def toml_value(value: Any) -> str:
+    """One value as TOML (strings with JSON's escapes, which are TOML's; inf and nan as TOML spells them)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{toml_key(str(k))} = {toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {type(value).__name__} as TOML")
 
 
@@ -514,7 +535,7 @@ def to_toml(mapping: dict[str, Any], comments: dict[str, dict[str, str]] | None 
     lines = []
     for key, value in mapping.items():
         if not isinstance(value, dict):
-            lines.append(f"{key} = {_toml_value(value)}")
+            lines.append(f"{toml_key(key)} = {toml_value(value)}")
     for section, values in mapping.items():
         if not isinstance(values, dict):
             continue
@@ -523,7 +544,7 @@ def to_toml(mapping: dict[str, Any], comments: dict[str, dict[str, str]] | None 
             note = comments.get(section, {}).get(key)
             suffix = f"  # {note}" if note else ""
             if value is None:
-                lines.append(f"# {key} = (unset){suffix}")
+                lines.append(f"# {toml_key(key)} = (unset){suffix}")
             else:
-                lines.append(f"{key} = {_toml_value(value)}{suffix}")
+                lines.append(f"{toml_key(key)} = {toml_value(value)}{suffix}")
     return "\n".join(lines) + "\n"

@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import TrainConfig
+from .config import TrainConfig, check_value, toml_key, toml_value
 from .errors import ConfigError, EngineError
 from .trainer_args import ACCEPTED, BUILTIN, ENABLED_BY, FIELDS, PLUGIN, STRATEGIES, Conversion, answer_for, show
 
@@ -71,19 +69,19 @@ class Migration:
             lines.append("# Not converted (set away from Trainer's default):")
             lines += [f"#   {what}: {why}" for what, why in self.lost]
         mapping = self.mapping
-        lines.append(f"plugins = {_value(mapping.pop('plugins'))}")
+        lines.append(f"plugins = {toml_value(mapping.pop('plugins'))}")
         for section, table in mapping.items():
             lines += ["", f"[{section}]"]
             for dotted, (example, what) in self.placeholders.items():
                 if dotted.split(".", 1)[0] == section:
-                    lines.append(f"# {dotted.split('.', 1)[1]} = {_value(example)}  # {what}")
+                    lines.append(f"# {dotted.split('.', 1)[1]} = {toml_value(example)}  # {what}")
             lines += _table_lines(section, table)
         return "\n".join(lines) + "\n"
 
     def report(self) -> str:
         import transformers
 
-        lines = [f"engine migrate: {self.source} -> plugins = {_value(self.plugins)}"]
+        lines = [f"engine migrate: {self.source} -> plugins = {toml_value(self.plugins)}"]
         groups = [
             ("mapped to plugins, renamed or converted:", self.mapped),
             ("written with Trainer's default, which differs from the engine's:", self.trainer_defaults),
@@ -187,7 +185,7 @@ def _finish(c: Conversion, source: str) -> Migration:
         value = setting.value
         if schema is not None:
             try:
-                value = _checked(schema, key, value, dotted)
+                value = check_value(schema, key, value, dotted)
             except ConfigError as exc:
                 migration.lost.append((f"{setting.field} = {show(c.arguments[setting.field])}", str(exc)))
                 continue
@@ -251,17 +249,6 @@ def _load(plugins: list[str], problems: list[str]) -> tuple[dict[str, type], dic
     return schemas, manager.registries
 
 
-def _checked(schema: type, key: str, value: Any, dotted: str) -> Any:
-    """``value`` as ``[section] key`` takes it (int widened to float), or the ConfigError a run file would get."""
-    from .config import _check_bounds, _convert
-
-    option = {f.name: f for f in dataclasses.fields(schema)}[key]
-    tp = typing.get_type_hints(schema)[key]
-    value = _convert(value, tp, dotted)
-    _check_bounds(option.metadata, value, tp, dotted)
-    return value
-
-
 def _default(schema: type, key: str) -> Any:
     option = {f.name: f for f in dataclasses.fields(schema)}[key]
     if option.default_factory is not dataclasses.MISSING:
@@ -288,39 +275,14 @@ def _check_names(migration: Migration, registries: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------- TOML
 
 
-_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
-
-
-def _key(key: str) -> str:
-    return key if _BARE_KEY.fullmatch(key) else _string(key)
-
-
-def _string(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")  # JSON's escapes are TOML's
-
-
-def _value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)  # also inf and nan, which TOML spells the same
-    if isinstance(value, str):
-        return _string(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{_key(k)} = {_value(v)}" for k, v in value.items()) + "}"
-    raise ConfigError(f"cannot write {type(value).__name__} {value!r} to a run file")
-
-
 def _is_subtable(value: Any) -> bool:
     """A table written as its own [section.key] block (large or nested) rather than inline."""
     return isinstance(value, dict) and (len(value) > 4 or any(isinstance(v, dict) for v in value.values()))
 
 
 def _table_lines(path: str, table: dict[str, Any]) -> list[str]:
-    lines = [f"{_key(k)} = {_value(v)}" for k, v in table.items() if not _is_subtable(v)]
+    lines = [f"{toml_key(k)} = {toml_value(v)}" for k, v in table.items() if not _is_subtable(v)]
     for key, value in table.items():
         if _is_subtable(value):
-            lines += ["", f"[{path}.{_key(key)}]", *_table_lines(f"{path}.{_key(key)}", value)]
+            lines += ["", f"[{path}.{toml_key(key)}]", *_table_lines(f"{path}.{toml_key(key)}", value)]
     return lines

@@ -304,26 +304,26 @@ def _fsdp_activation_checkpointing(mapping: accelerate_config.Mapping, key: str,
 
 def _fsdp_reshard(mapping: accelerate_config.Mapping, key: str, value: Any) -> None:
     if isinstance(value, str):  # FSDP1: a sharding strategy's name
-        accelerate_config._FSDP["fsdp_sharding_strategy"](mapping, key, value.upper())
+        accelerate_config.FSDP_CONFIG["fsdp_sharding_strategy"](mapping, key, value.upper())
     else:
-        accelerate_config._FSDP["fsdp_reshard_after_forward"](mapping, key, value)
+        accelerate_config.FSDP_CONFIG["fsdp_reshard_after_forward"](mapping, key, value)
 
 
 def _fsdp_prefetch(mapping: accelerate_config.Mapping, key: str, value: Any) -> None:
-    accelerate_config._FSDP["fsdp_backward_prefetch"](mapping, key, value.upper() if isinstance(value, str) else value)
+    accelerate_config.FSDP_CONFIG["fsdp_backward_prefetch"](mapping, key, value.upper() if isinstance(value, str) else value)
 
 
 # fsdp_config keys by Trainer's name (transformers strips "fsdp_"): Accelerate's own handlers for the
 # keys both have, these for Trainer's others
 _TRAINER_FSDP: dict[str, Callable[..., None]] = {
-    "cpu_offload": accelerate_config._FSDP["fsdp_offload_params"],
+    "cpu_offload": accelerate_config.FSDP_CONFIG["fsdp_offload_params"],
     "reshard_after_forward": _fsdp_reshard,
     "backward_prefetch": _fsdp_prefetch,
     "activation_checkpointing": _fsdp_activation_checkpointing,
-    "min_num_params": accelerate_config._only(0, meaning="transformer-block wrapping, no size-based policy"),
-    "xla": accelerate_config._only(False, meaning="no XLA"),
-    "xla_fsdp_v2": accelerate_config._only(False, meaning="no XLA"),
-    "xla_fsdp_grad_ckpt": accelerate_config._only(False, meaning="no XLA"),
+    "min_num_params": accelerate_config.accept_only(0, meaning="transformer-block wrapping, no size-based policy"),
+    "xla": accelerate_config.accept_only(False, meaning="no XLA"),
+    "xla_fsdp_v2": accelerate_config.accept_only(False, meaning="no XLA"),
+    "xla_fsdp_grad_ckpt": accelerate_config.accept_only(False, meaning="no XLA"),
     "limit_all_gathers": lambda mapping, key, value: mapping.note(
         key, value, "FSDP1's rate limiter; FSDP2 has no such setting"),
 }
@@ -336,9 +336,9 @@ _FSDP_WORDS = {"offload": ("fsdp_offload_params", True), "auto_wrap": ("fsdp_aut
 def _apply_fsdp(c: Conversion, key: str, setting: str, value: Any) -> None:
     """One FSDP setting through accelerate_config's handler: its settings and notes into ``c``."""
     mapping = _AccelerateSettings("TrainingArguments")
-    handler = _TRAINER_FSDP.get(setting) or accelerate_config._FSDP.get("fsdp_" + setting)
+    handler = _TRAINER_FSDP.get(setting) or accelerate_config.FSDP_CONFIG.get("fsdp_" + setting)
     if handler is None:
-        known = sorted({*_TRAINER_FSDP, *(k[5:] for k in accelerate_config._FSDP)})
+        known = sorted({*_TRAINER_FSDP, *(k[5:] for k in accelerate_config.FSDP_CONFIG)})
         raise ConfigError(f"not an FSDP setting the engine maps; it maps {', '.join(known)}")
     handler(mapping, key, _boolean(value))
     for dotted, mapped in mapping.settings.items():
