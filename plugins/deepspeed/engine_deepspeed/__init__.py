@@ -101,7 +101,9 @@ class DeepSpeedStrategy(DistributedStrategy):
         import deepspeed
 
         # DeepSpeed's communication layer wraps the group that now exists (and its timeout);
-        # zero.Init reads the world size from it before deepspeed.initialize runs
+        # zero.Init reads the world size from it before deepspeed.initialize runs, and the
+        # device from LOCAL_RANK, which only a launcher sets: one process without one is rank 0
+        os.environ.setdefault("LOCAL_RANK", str(self.local_rank))
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo",
                                    timeout=self.timeout, verbose=False)
 

@@ -22,6 +22,13 @@ REFUSED = {
 }
 # DeepSpeed optimizer parameters that follow [train] when "auto" (and must agree with it otherwise)
 OPTIMIZER_PARAMS = {"lr": "learning_rate", "weight_decay": "weight_decay", "eps": "adam_epsilon"}
+# zero_optimization sizes that "auto" derives from the model's hidden size, as Trainer's DeepSpeed
+# integration does (trainer_config_finalize); DeepSpeed itself cannot read "auto" there
+SIZED_BY_HIDDEN = {
+    "reduce_bucket_size": lambda hidden: hidden * hidden,
+    "stage3_prefetch_bucket_size": lambda hidden: int(0.9 * hidden * hidden),
+    "stage3_param_persistence_threshold": lambda hidden: 10 * hidden,
+}
 
 
 def read_config(spec: str | dict[str, Any] | None, key: str = "deepspeed.config") -> dict[str, Any]:
@@ -119,6 +126,15 @@ def resolve(run: Any, world_size: int) -> dict[str, Any]:
             raise ConfigError(f"deepspeed.offload_{what}: offloading {what}s needs ZeRO stage "
                               f"{3 if what == 'param' else '1 or more'} (zero_optimization.stage = {stage})")
 
+    auto_sized = [key for key in SIZED_BY_HIDDEN if zero.get(key) == AUTO]
+    if auto_sized:
+        hidden = _hidden_size(run)
+        if hidden is None:
+            raise ConfigError(f"deepspeed.config: zero_optimization.{auto_sized[0]} = \"auto\" comes from the model's "
+                              "hidden_size (as in Trainer), which this model's config does not give; set a number")
+        for key in auto_sized:
+            zero[key] = SIZED_BY_HIDDEN[key](hidden)
+
     if "optimizer" in config:  # DeepSpeed builds this one instead of the registry's
         params = fill.table("optimizer", "params")
         for name, train_key in OPTIMIZER_PARAMS.items():
@@ -133,6 +149,17 @@ def resolve(run: Any, world_size: int) -> dict[str, Any]:
     config.setdefault("zero_allow_untested_optimizer", True)
     config.setdefault("steps_per_print", 2**31 - 1)  # the engine logs progress itself
     return config
+
+
+def _hidden_size(run: Any) -> int | None:
+    """The model's hidden size: of the model given to the run, else of the config ``train.model`` names."""
+    from engine.models import model_config
+
+    config = getattr(run.model, "config", None) if run.model is not None else model_config(run.config.train)
+    if config is None:
+        return None
+    sizes = getattr(config, "hidden_sizes", None)
+    return getattr(config, "hidden_size", None) or (max(sizes) if sizes else None)
 
 
 def stage_of(config: dict[str, Any]) -> int:

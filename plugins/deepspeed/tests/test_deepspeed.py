@@ -248,6 +248,36 @@ def test_auto_values_are_filled_from_the_run(tmp_path, monkeypatch):
     assert config["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu"}}
 
 
+def test_zero3_in_one_process_without_a_launcher_trains_with_auto_bucket_sizes(tmp_path):
+    import os
+    import subprocess
+
+    auto = {"reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto"}
+    run_file = _run_file(tmp_path, 3, {"config": {"zero_optimization": auto}}, max_steps=2, save_steps=2)
+    env = {key: value for key, value in os.environ.items() if key not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    result = subprocess.run([sys.executable, "-m", "engine", "train", str(run_file)], env={**env, **ENV},
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(_losses(tmp_path / "out")) == 2 and (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_auto_bucket_sizes_come_from_the_hidden_size_as_in_trainer(tmp_path):
+    from engine import ConfigError
+    from engine_deepspeed import dsconfig
+
+    sized = {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+             "stage3_param_persistence_threshold": "auto"}
+    run = _configure(tmp_path, {"config": {"zero_optimization": sized}}, model="tiny-llama",
+                     model_config={"hidden_size": 48})
+    zero = dsconfig.resolve(run, 1)["zero_optimization"]
+    assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"],
+            zero["stage3_param_persistence_threshold"]) == (48 * 48, int(0.9 * 48 * 48), 480)
+    with pytest.raises(ConfigError, match=r'zero_optimization.reduce_bucket_size = "auto" comes from the model\'s '
+                                          r"hidden_size \(as in Trainer\), which this model's config does not give"):
+        _configure(tmp_path, {"config": {"zero_optimization": sized}}, model="engine.testing:tiny_model")
+
+
 @pytest.mark.parametrize("plugins, train", [
     (("deepspeed", "galore"), {"optim": "galore_adamw_layerwise", "optim_target_modules": "all-linear",
                                "max_grad_norm": 0.0}),

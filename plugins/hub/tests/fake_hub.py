@@ -149,7 +149,9 @@ class Handler(BaseHTTPRequestHandler):
                 if repo in hub.repos:
                     return self._send(409, {"error": "You already created this model repo", "url": f"/{repo}"})
                 hub.repos[repo] = {"main": {}}
-                hub.private[repo] = bool(request.get("private"))
+                # huggingface_hub 2.x sends "visibility"; older releases sent "private"
+                hub.private[repo] = request.get("visibility", "private" if request.get("private") else "public") \
+                    == "private"
             return self._send(200, {"url": f"http://{self.headers['Host']}/{repo}", "name": repo})
         if match := re.fullmatch(r"/api/models/([^/]+/[^/]+)/branch/([^/]+)", path):
             repo, branch = match.groups()

@@ -29,7 +29,8 @@ import sys
 from engine.testing import run_steps, tiny_model
 
 out, token = sys.argv[1], sys.argv[2]
-hub = {"repo": "user/tiny-model", "strategy": "checkpoint", "revision": "dev", "token": token, "always_push": True}
+hub = {"repo": "user/tiny-model", "strategy": "checkpoint", "revision": "dev", "token": token, "always_push": True,
+       "private": True}
 run_steps(12, plugins=["hub"], output_dir=out + "/first", model=tiny_model(seed=0), sections={"hub": hub},
           train={"save_strategy": "steps", "save_steps": 5, "max_steps": 12})
 resumed = run_steps(15, plugins=["hub"], output_dir=out + "/second", model=tiny_model(seed=0),
@@ -54,7 +55,7 @@ def test_pushes_and_resume_through_the_hub_api(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "ended at 15" in done.stdout
 
-    assert list(hub.repos) == ["user/tiny-model"] and hub.private["user/tiny-model"] is False
+    assert list(hub.repos) == ["user/tiny-model"] and hub.private["user/tiny-model"] is True
     assert hub.files("user/tiny-model") == {}  # everything went to the branch
     files = hub.files("user/tiny-model", "dev")
     assert set(files) == MODEL_FILES | {FINAL_MARKER, "README.md"} | {f"last-checkpoint/{n}" for n in CHECKPOINT_FILES}
