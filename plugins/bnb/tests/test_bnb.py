@@ -97,7 +97,7 @@ def test_trains_and_loss_falls(trained):
     assert state["model.layers.0.mlp.up_proj.weight"]["state1"].dtype == torch.float32  # 2048 elements
 
 
-def test_resume_restores_quantized_state(trained):
+def test_resume_restores_state_and_steps_identically(trained):
     straight = trained.straight
     saved = torch.load(trained.checkpoint / "optimizer.pt", weights_only=True)  # restored as saved (the fixture)
     order = [id(p) for group in straight.optimizer.param_groups for p in group["params"]]

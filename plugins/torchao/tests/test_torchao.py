@@ -93,7 +93,7 @@ def test_trains_on_cpu_and_loss_falls(trained):
     assert logged == pytest.approx([1e-2 * (6 - i) / 6 for i in range(6)], rel=1e-6)
 
 
-def test_resume_restores_quantized_state(trained):
+def test_resume_restores_quantized_state_and_steps_identically(trained):
     straight = trained.straight
     _, quantized = NAMES[straight.config.train.optim]
     saved = torch.load(trained.checkpoint / "optimizer.pt", weights_only=True)  # what the engine loads
