@@ -46,6 +46,7 @@ _LAZY = {
     "parse_optim_args": "engine.optim",
     "OptimArg": "engine.optim",
     "check_optim_args": "engine.optim",
+    "OptimizerFamily": "engine.optim",
     "target_linear_parameters": "engine.optim",
     "strategy_name": "engine.strategy",
     "require": "engine.util",

@@ -1,17 +1,28 @@
 """Helpers for low-rank projection optimizer plugins (GaLore, APOLLO): target groups, layerwise
 stepping, projector checkpoints, and the configure-time checks they share.
 
-Imports no optimizer library. A plugin passes its optimizer class and projector factory:
+Imports no optimizer library and implements no hook: a plugin passes its optimizer class and
+projector factory, and calls these from its own hookimpls.
 
-* :func:`check` (from ``configure``) validates ``train.optim_args`` against a table of
-  :class:`engine.optim.OptimArg` with Trainer's defaults, the target modules and the
-  layerwise conflicts.
+* :func:`check` (from the family's ``check``) validates the target modules and the layerwise
+  conflicts; ``train.optim_args`` are the family's (:class:`engine.optim.OptimizerFamily`).
 * :func:`build` makes transformers' two parameter groups (every other parameter; the selected
   ``nn.Linear`` weights with the projection options) and the optimizer, or for a
   ``*_layerwise`` name one optimizer per parameter behind a :class:`LayerwiseOptimizer`.
 * Projectors live in the optimizer state as Python objects, which ``torch.load(weights_only=True)``
   refuses: :func:`build` registers state-dict hooks that store them as tensors and numbers,
   and :func:`restore_projectors` turns them back into objects after a load.
+* For the plugin's hooks: :func:`attach` (``on_train_start``), :func:`detach` (``on_train_end``),
+  :func:`restore` (``load_checkpoint_state``) and :func:`without_grad_norm` (a ``training_step``
+  wrapper)::
+
+      @hookimpl(wrapper=True)
+      def training_step(run, batches, num_items_in_batch):
+          return lowrank.without_grad_norm(run, (yield))
+
+      @hookimpl
+      def on_train_start(run):
+          lowrank.attach(run)
 """
 
 from __future__ import annotations
@@ -23,10 +34,9 @@ from typing import Any, Callable
 
 import torch
 
-from . import hookimpl
 from .config import TrainConfig
 from .errors import CheckpointError, ConfigError
-from .optim import OptimArg, check_optim_args, target_linear_parameters
+from .optim import target_linear_parameters
 from .strategy import strategy_name
 
 LAYERWISE = "_layerwise"
@@ -37,20 +47,18 @@ def is_layerwise(name: str) -> bool:
     return name.endswith(LAYERWISE)
 
 
-def check(run: Any, table: dict[str, OptimArg], logger: logging.Logger) -> dict[str, Any]:
-    """The checks both families make in ``configure``; returns the parsed optim_args.
+def check(run: Any, logger: logging.Logger) -> None:
+    """The configure-time checks both families make besides optim_args.
 
-    optim_args against ``table``; ``train.optim_target_modules`` (unset: refused now; matched
-    against the model when one was given to the run, else when the optimizer is made); the
-    layerwise conflicts (:func:`check_layerwise`).
+    ``train.optim_target_modules`` (unset: refused now; matched against the model when one was
+    given to the run, else when the optimizer is made); the layerwise conflicts
+    (:func:`check_layerwise`).
     """
     train = run.config.train
-    args = check_optim_args(run, table)
     if train.optim_target_modules is None or run.model is not None:  # None is refused without a model
         target_linear_parameters(run.model, train.optim_target_modules, user=train.optim)
     if is_layerwise(train.optim):
         check_layerwise(run, logger)
-    return args
 
 
 def check_layerwise(run: Any, logger: logging.Logger) -> None:
@@ -243,30 +251,30 @@ def restore_projectors(optimizer: torch.optim.Optimizer, make_projector: Callabl
                 state["projector"] = projector
 
 
-# ---------------------------------------------------------------------------- hooks both plugins use
+# ---------------------------------------------------------------------------- for the plugins' hooks
 
 
-@hookimpl(wrapper=True)
-def training_step(run, batches, num_items_in_batch):
-    out = yield
+def without_grad_norm(run: Any, out: Any) -> Any:
+    """A ``training_step`` result without its grad_norm when the optimizer steps per parameter:
+    the norm of gradients already cleared inside backward (0) means nothing."""
     if isinstance(run.optimizer, LayerwiseOptimizer) and out is not None and out.grad_norm is not None:
-        return out._replace(grad_norm=None)  # the norm of already-cleared gradients (0) means nothing
+        return out._replace(grad_norm=None)
     return out
 
 
-@hookimpl
-def on_train_start(run):
+def attach(run: Any) -> None:
+    """At train start: a layerwise optimizer's per-parameter step hooks are on (idempotent)."""
     if isinstance(run.optimizer, LayerwiseOptimizer):
         run.optimizer.attach()
 
 
-@hookimpl
-def on_train_end(run):
+def detach(run: Any) -> None:
+    """At train end: the model is left as it was built, so backward no longer steps."""
     if isinstance(run.optimizer, LayerwiseOptimizer):
-        run.optimizer.detach()  # the model is left as it was built: backward no longer steps
+        run.optimizer.detach()
 
 
-@hookimpl
-def load_checkpoint_state(run, state):
+def restore(run: Any) -> None:
+    """After a checkpoint loaded: projectors back to objects (bitsandbytes' load_state_dict runs no torch hooks)."""
     if run.optimizer is not None:
-        restore_projectors(run.optimizer)  # bitsandbytes' load_state_dict runs no torch hooks
+        restore_projectors(run.optimizer)

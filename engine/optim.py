@@ -1,15 +1,18 @@
-"""Helpers optimizer plugins share: parameter groups, ``optim_args`` checking, target modules."""
+"""Helpers optimizer plugins share: parameter groups, ``optim_args`` checking, target modules, and
+:class:`OptimizerFamily`, which declares a plugin's optimizer names once."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from .config import parse_value
 from .errors import ConfigError
+from .util import require
 
 # Parameter names (lower-cased, full path) that get no weight decay, as in transformers' Trainer.
 _NO_DECAY_PATTERNS = [re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")]
@@ -181,3 +184,103 @@ def target_linear_parameters(model: torch.nn.Module, target_modules: str | list[
                           f"{', '.join(linear[:5]) or 'none'}{' ...' if len(linear) > 5 else ''}; "
                           "or use 'all-linear'")
     return found
+
+
+# Keys people carry over into train.optim_args from other optimizers, by the [train] setting that
+# holds them instead: an OptimizerFamily that reads the setting names it in ``reads``.
+ELSEWHERE: dict[str, dict[str, str]] = {
+    "learning_rate": {"lr": "set train.learning_rate", "learning_rate": "set train.learning_rate"},
+    "weight_decay": {"weight_decay": "set train.weight_decay (applied per parameter group, none on biases and norms)"},
+    "adam": {"betas": "set train.adam_beta1 / train.adam_beta2", "beta1": "set train.adam_beta1",
+             "beta2": "set train.adam_beta2", "eps": "set train.adam_epsilon"},
+}
+
+
+@dataclass(frozen=True, eq=False)
+class OptimizerFamily:
+    """Optimizer names a plugin provides that share one ``optim_args`` table, declared once.
+
+    The plugin states what differs; the family registers the names and makes the configure-time
+    checks every optimizer plugin needs:
+
+    * ``plugin``: the entry-point name, also the pip extra that installs ``library``;
+    * ``names``: the ``train.optim`` names (Trainer's);
+    * ``build(run, params, args)``: the optimizer; ``params`` are :func:`param_groups` (the
+      decay / no-decay split), ``args`` the checked ``train.optim_args`` (:meth:`args`);
+    * ``library``: ``(module, pip package)`` the names need (:meth:`require`);
+    * ``optim_args``: the keys ``train.optim_args`` may set, with Trainer's defaults (see
+      :func:`check_optim_args`);
+    * ``reads``: the ``[train]`` settings the optimizers take, of ``"learning_rate"``,
+      ``"weight_decay"`` and ``"adam"`` (adam_beta1/2, adam_epsilon): an optim_args key that one
+      of them holds (``lr``, ``betas``, ...) is refused with a hint to set it there
+      (:data:`ELSEWHERE`); ``elsewhere`` adds hints of the plugin's own;
+    * ``check(run, args)``: further configure-time checks (conflicts, settings it ignores);
+    * ``takes_target_modules``: the names use ``train.optim_target_modules``.
+
+    :meth:`configure` does nothing unless the run's optimizer is one of this family's names (and
+    not another plugin's under the same name); then it requires the library, checks optim_args and
+    calls ``check``, all before the model loads. The plugin keeps its own two hookimpls::
+
+        def create(run, params, args):
+            optimi = FAMILY.require(run.config.train.optim)
+            return optimi.StableAdamW(params, lr=run.config.train.learning_rate, **args)
+
+        FAMILY = OptimizerFamily("optimi", ("stable_adamw",), create, library=("optimi", "torch-optimi"),
+                                 optim_args={"kahan_sum": OptimArg(bool, expect="true or false")},
+                                 reads=("learning_rate", "weight_decay", "adam"))
+
+        @hookimpl
+        def register_optimizers(register):
+            FAMILY.register(register)
+
+        @hookimpl
+        def configure(run):
+            FAMILY.configure(run)
+    """
+
+    plugin: str
+    names: tuple[str, ...]
+    build: Callable[[Any, list[dict[str, Any]], dict[str, Any]], Any]
+    library: tuple[str, str] | None = None
+    optim_args: Mapping[str, OptimArg] = field(default_factory=dict)
+    reads: tuple[str, ...] = ("learning_rate",)
+    elsewhere: Mapping[str, str] = field(default_factory=dict)
+    check: Callable[[Any, dict[str, Any]], None] | None = None
+    takes_target_modules: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = [setting for setting in self.reads if setting not in ELSEWHERE]
+        if unknown:
+            raise ValueError(f"OptimizerFamily({self.plugin!r}).reads: unknown {unknown}; use {', '.join(ELSEWHERE)}")
+        object.__setattr__(self, "names", tuple(self.names))
+
+    def register(self, register: Callable[..., None]) -> None:
+        """Register every name with :meth:`create` (from the plugin's ``register_optimizers``)."""
+        for name in self.names:
+            register(name, self.create, takes_target_modules=self.takes_target_modules)
+
+    def configure(self, run: Any) -> None:
+        """The configure-time checks for the run's optimizer, if it is this family's (from ``configure``)."""
+        optim = run.config.train.optim
+        if optim not in self.names or run.registries["optimizer"].get(optim).factory != self.create:
+            return  # another optimizer, or another plugin's under this name
+        self.require(optim)
+        args = self.args(run)
+        if self.check is not None:
+            self.check(run, args)
+
+    def create(self, run: Any, params: list[dict[str, Any]]) -> Any:
+        """The registered factory: ``build(run, params, args(run))``."""
+        return self.build(run, params, self.args(run))
+
+    def args(self, run: Any) -> dict[str, Any]:
+        """``train.optim_args`` checked against ``optim_args``: the keyword arguments to pass on."""
+        hints = {key: hint for setting in self.reads for key, hint in ELSEWHERE[setting].items()}
+        return check_optim_args(run, self.optim_args, elsewhere={**hints, **self.elsewhere})
+
+    def require(self, optim: str) -> Any:
+        """The ``library`` module, or a MissingDependencyError naming ``optim`` and the extra to install."""
+        if self.library is None:
+            return None
+        module, package = self.library
+        return require(module, package, feature=f"train.optim = {optim!r}", extra=self.plugin)

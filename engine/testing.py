@@ -1,5 +1,6 @@
 """Helpers for plugin authors' tests: a tiny model and dataset, short runs, a hook recorder, what a
-run logged (to compare trackers with), and launching several processes with torchrun.
+run logged (to compare trackers with), launching several processes with torchrun, and the two
+checks every optimizer plugin makes: resuming is exact, and the optimizer is Trainer's.
 
 Example (a whole plugin test)::
 
@@ -9,13 +10,27 @@ Example (a whole plugin test)::
         recorder = HookRecorder()
         run = run_steps(3, plugins=["myplugin"], objects=[recorder], output_dir=tmp_path)
         assert recorder.count("on_step_end") == 3
+
+An optimizer plugin's two checks (:func:`assert_resume_is_exact`, :func:`assert_matches_trainer`;
+both compare optimizer states with :func:`assert_same_state`)::
+
+    from engine.testing import assert_matches_trainer, assert_resume_is_exact
+
+    def test_resume_is_exact(tmp_path):  # 6 steps straight == 3 steps, checkpoint, resume to 6
+        runs = assert_resume_is_exact(6, 3, tmp_path, plugins=["bnb"], train={"optim": "adamw_8bit"})
+        assert runs.resumed.optimizer.state  # the plugin's own checks on the returned runs
+
+    def test_is_trainers_optimizer(tmp_path):  # Trainer's class, groups, hyper-parameters, updates
+        assert_matches_trainer("adamw_8bit", tmp_path, plugins=["bnb"], atol=0, compare_state=True,
+                               train={"learning_rate": 3e-3, "weight_decay": 0.1, "adam_beta1": 0.8})
 """
 
 from __future__ import annotations
 
+import io
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -143,6 +158,251 @@ class HookRecorder:
 
     def count(self, hook_name: str) -> int:
         return sum(1 for name, _ in self.calls if name == hook_name)
+
+
+# ---------------------------------------------------------------------------- optimizer plugins
+
+
+def assert_same_state(ours: Any, theirs: Any, atol: float = 0.0, path: str = "state") -> None:
+    """Assert that two optimizer state dicts (any nest of dicts, lists, tuples, tensors and plain
+    values) are the same, naming the first difference by its path (``state.3.exp_avg``).
+
+    Tensors need the same class, dtype and shape and equal values (``torch.equal``); with
+    ``atol > 0`` floating-point values may differ by up to ``atol``. Tensor subclasses (torchao's
+    quantized state) are compared through their inner tensors (``__tensor_flatten__``).
+    """
+    if isinstance(ours, torch.Tensor):
+        assert type(theirs) is type(ours), f"{path}: {type(ours).__name__} != {type(theirs).__name__}"
+        assert (ours.dtype, ours.shape) == (theirs.dtype, theirs.shape), \
+            f"{path}: {ours.dtype} {tuple(ours.shape)} != {theirs.dtype} {tuple(theirs.shape)}"
+        if type(ours) is not torch.Tensor and hasattr(ours, "__tensor_flatten__"):
+            (names, context), (their_names, their_context) = ours.__tensor_flatten__(), theirs.__tensor_flatten__()
+            assert (names, context) == (their_names, their_context), f"{path}: {context!r} != {their_context!r}"
+            for name in names:
+                assert_same_state(getattr(ours, name), getattr(theirs, name), atol, f"{path}.{name}")
+        elif atol and ours.is_floating_point() and ours.numel():
+            difference = (ours.detach().double() - theirs.detach().double()).abs().max().item()
+            assert difference <= atol, f"{path}: differs by {difference:.3g} (more than {atol})"
+        else:
+            assert torch.equal(ours, theirs), f"{path}: values differ"
+    elif isinstance(ours, dict):
+        assert isinstance(theirs, dict) and ours.keys() == theirs.keys(), \
+            f"{path}: keys {list(ours)} != {list(theirs) if isinstance(theirs, dict) else theirs!r}"
+        for key in ours:
+            assert_same_state(ours[key], theirs[key], atol, f"{path}.{key}")
+    elif isinstance(ours, (list, tuple)):
+        assert type(theirs) is type(ours) and len(ours) == len(theirs), f"{path}: {ours!r} != {theirs!r}"
+        for index, (mine, other) in enumerate(zip(ours, theirs)):
+            assert_same_state(mine, other, atol, f"{path}[{index}]")
+    else:
+        assert ours == theirs, f"{path}: {ours!r} != {theirs!r}"
+
+
+class _OptimizerAtStart:
+    """Keeps a copy of the optimizer state at train start (after a resume restored it), as saved."""
+
+    name = "optimizer_at_start"  # both runs of a resume check enable it, as checkpoints require
+
+    def __init__(self):
+        self.state: Any = None
+
+    @hookimpl
+    def on_train_start(self, run):
+        buffer = io.BytesIO()  # a copy through torch.save: deepcopy fails on some state (torchao's)
+        torch.save(run.optimizer.state_dict(), buffer)
+        buffer.seek(0)
+        self.state = torch.load(buffer, weights_only=True)
+
+
+class ResumeCheck(NamedTuple):
+    """What :func:`assert_resume_is_exact` ran, for a plugin's own checks."""
+
+    straight: Run
+    resumed: Run
+    checkpoint: Path
+    restored: Any  # the optimizer state the resumed run started from
+
+
+_TIMINGS = ("per_second", "time", "runtime")  # logged values that measure time, not training
+
+
+def _logged_values(run: Run) -> list[dict[str, Any]]:
+    return [{key: value for key, value in entry.items() if not any(t in key for t in _TIMINGS)}
+            for entry in run.state.log_history]
+
+
+def assert_resume_is_exact(steps: int, save_at: int, output_dir: str | Path, *, plugins: list[str] = (),
+                           train: dict[str, Any] | None = None, model_config: dict[str, Any] | None = None,
+                           objects: list[Any] = (), **run_kwargs: Any) -> ResumeCheck:
+    """Assert that stopping at a checkpoint and resuming changes nothing.
+
+    Trains :func:`tiny_model` ``steps`` steps straight, with a checkpoint every ``save_at`` steps
+    (``output_dir/straight``), then a differently initialised model resumed from
+    ``checkpoint-<save_at>`` to ``steps`` (``output_dir/resumed``), and asserts, with
+    ``torch.equal`` (:func:`assert_same_state`):
+
+    * the resumed run started from the optimizer state the checkpoint holds;
+    * every value both runs logged at every step (loss, grad_norm, learning_rate, eval_loss, ...;
+      timings aside), one loss per step;
+    * the final weights and the final optimizer state (``state_dict()``).
+
+    ``train`` adds ``[train]`` keys, ``model_config`` goes to :func:`tiny_model`, the other
+    keywords to :func:`run_steps` for both runs. Returns both runs, the checkpoint folder and the
+    restored optimizer state, for the plugin's own checks.
+    """
+    output_dir = Path(output_dir)
+    train = {**(train or {}), "save_strategy": "steps", "save_steps": save_at}
+    checkpoint = output_dir / "straight" / f"checkpoint-{save_at}"
+    at_start = _OptimizerAtStart()
+    straight = run_steps(steps, plugins, objects=[*objects, _OptimizerAtStart()], output_dir=output_dir / "straight",
+                         train=train, model=tiny_model(seed=0, **(model_config or {})), **run_kwargs)
+    resumed = run_steps(steps, plugins, objects=[*objects, at_start], output_dir=output_dir / "resumed",
+                        train={**train, "resume_from_checkpoint": str(checkpoint)},
+                        model=tiny_model(seed=1, **(model_config or {})), **run_kwargs)
+    assert straight.state.global_step == resumed.state.global_step == steps
+    assert_same_state(at_start.state, torch.load(checkpoint / "optimizer.pt", weights_only=True),
+                      path="optimizer state at the resume")
+    logged, logged_resumed = _logged_values(straight), _logged_values(resumed)
+    assert sum("loss" in entry for entry in logged) == steps, logged
+    assert len(logged_resumed) == len(logged), f"resumed logged {logged_resumed}, straight {logged}"
+    for mine, other in zip(logged_resumed, logged):
+        assert mine == other, f"logged at step {other.get('step')}: resumed {mine} != straight {other}"
+    assert same_weights(resumed.model, straight.model) == [], "weights differ after the resume"
+    assert_same_state(resumed.optimizer.state_dict(), straight.optimizer.state_dict(), path="optimizer state")
+    return ResumeCheck(straight, resumed, checkpoint, at_start.state)
+
+
+def trainer_optimizer(optim: str, output_dir: str | Path, model: torch.nn.Module, *, optim_args: str | None = None,
+                      optim_target_modules: Any = None, **training_args: Any) -> torch.optim.Optimizer:
+    """The optimizer transformers' ``Trainer.create_optimizer`` makes for ``model`` (on the CPU)."""
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=str(output_dir), optim=optim, optim_args=optim_args,
+                             optim_target_modules=optim_target_modules, report_to=[], use_cpu=True, **training_args)
+    return Trainer(model=model, args=args).create_optimizer()
+
+
+class TrainerPair(NamedTuple):
+    """The optimizers (and models) :func:`assert_matches_trainer` compared, after its steps."""
+
+    ours: Any
+    theirs: Any
+    our_model: torch.nn.Module
+    their_model: torch.nn.Module
+
+
+def trainer_step(model: torch.nn.Module, optimizer: Any, batch: dict[str, torch.Tensor]) -> None:
+    """One step as Trainer takes it: ``optimizer.train()`` where there is one (Schedule-Free),
+    backward, ``step()``, ``zero_grad()`` (a layerwise optimizer steps inside backward)."""
+    model.train()
+    if callable(getattr(optimizer, "train", None)):
+        optimizer.train()
+    model(**batch).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _groups(optimizer: Any, names: dict[int, str], ignore: tuple[str, ...]) -> list[dict[str, Any]]:
+    return [{**{key: value for key, value in group.items() if key not in ignore},
+             "params": [names[id(p)] for p in group["params"]]} for group in optimizer.param_groups]
+
+
+def _per_parameter(ours: Any, theirs: Any, names: tuple[dict[int, str], dict[int, str]]) -> list[tuple[Any, Any]]:
+    """(our, Trainer's) optimizer pairs: one per parameter for layerwise names, else the optimizers themselves."""
+    from transformers.trainer_pt_utils import LayerWiseDummyOptimizer
+
+    from .lowrank import LayerwiseOptimizer
+
+    if not isinstance(theirs, LayerWiseDummyOptimizer):
+        return [(ours, theirs)]
+    assert isinstance(ours, LayerwiseOptimizer), f"Trainer's optimizer is layerwise, ours is {type(ours).__name__}"
+    assert [names[0][id(p)] for p in ours.optimizers] == [names[1][id(p)] for p in theirs.optimizer_dict]
+    return list(zip(ours.optimizers.values(), theirs.optimizer_dict.values()))
+
+
+def assert_matches_trainer(optim: str, output_dir: str | Path, *, plugins: list[str] = (),
+                           train: dict[str, Any] | None = None, optim_args: str | None = None,
+                           optim_target_modules: Any = None, model_config: dict[str, Any] | None = None,
+                           trainer_optim: str | None = None, steps: int = 2, atol: float = 5e-6,
+                           compare_state: bool = False, ignore: tuple[str, ...] = (), our_class: type | None = None,
+                           step: Callable[[torch.nn.Module, Any, dict[str, torch.Tensor]], None] = trainer_step,
+                           ours: tuple[torch.nn.Module, Any] | None = None,
+                           adjust_reference: Callable[[Any], None] | None = None) -> TrainerPair:
+    """Assert that the engine's optimizer for ``optim`` is the one transformers' Trainer makes.
+
+    Ours: a set-up run of :func:`tiny_model` (``model_config``) with ``plugins``, ``train``
+    (``[train]`` keys), ``optim_args`` and ``optim_target_modules``; or ``ours=(model,
+    optimizer)`` built otherwise. Trainer's: :func:`trainer_optimizer` for the same model
+    (seed 0), with ``train`` as TrainingArguments and Trainer's name ``trainer_optim`` where it
+    differs; ``adjust_reference(theirs)`` may first change what the engine changes on purpose.
+    Asserted, per parameter for layerwise names:
+
+    * the class is ``our_class`` (default: Trainer's), a subclass of Trainer's;
+    * the parameter groups hold the same parameters (by name, in order) and the same
+      hyper-parameters, ``ignore`` aside; our scheduler's ``initial_lr`` is Trainer's ``lr``;
+      the ``defaults`` are the same;
+    * after ``steps`` steps on the same batches (``step(model, optimizer, batch)``, default
+      :func:`trainer_step`), every weight is within ``atol`` (0: equal), and with
+      ``compare_state`` the optimizer states (:func:`assert_same_state`) too. Ours steps at its
+      initial learning rate: Trainer's optimizer has no scheduler here.
+
+    Returns both optimizers and models, for the plugin's own checks.
+    """
+    output_dir = Path(output_dir)
+    train, model_config = dict(train or {}), dict(model_config or {})
+    if ours is None:
+        run = Run({"plugins": list(plugins), "train": {
+            "optim": optim, "optim_args": optim_args, "optim_target_modules": optim_target_modules, "max_steps": 1,
+            "output_dir": str(output_dir / "engine"), "save_strategy": "no", "disable_tqdm": True, **train}},
+            model=tiny_model(**model_config), train_dataset=tiny_dataset())
+        run.setup()
+        ours = (run.model, run.optimizer)
+    our_model, our_optimizer = ours
+    their_model = tiny_model(**model_config)
+    theirs = trainer_optimizer(trainer_optim or optim, output_dir / "trainer", their_model, optim_args=optim_args,
+                               optim_target_modules=optim_target_modules, **train)
+    if adjust_reference is not None:
+        adjust_reference(theirs)
+
+    for group in our_optimizer.param_groups:  # back to the learning rate it was built with
+        if "initial_lr" in group:
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].copy_(group["initial_lr"])
+            else:
+                group["lr"] = group["initial_lr"]
+    names = ({id(p): n for n, p in our_model.named_parameters()}, {id(p): n for n, p in their_model.named_parameters()})
+    for mine, other in _per_parameter(our_optimizer, theirs, names):
+        assert type(mine) is (our_class or type(other)) and isinstance(mine, type(other)), \
+            f"{optim}: ours is {type(mine).__qualname__}, Trainer's {type(other).__qualname__}"
+        our_groups = _groups(mine, names[0], ignore)
+        their_groups = _groups(other, names[1], ignore)
+        for group, their_group in zip(our_groups, their_groups):
+            if "initial_lr" in group:
+                assert_same_state(group.pop("initial_lr"), their_group["lr"], path=f"{optim}: initial_lr")
+        assert_same_state(our_groups, their_groups, path=f"{optim}: param_groups")
+        assert_same_state({k: v for k, v in mine.defaults.items() if k not in ignore},
+                          {k: v for k, v in other.defaults.items() if k not in ignore}, path=f"{optim}: defaults")
+
+    before = {name: weight.detach().clone() for name, weight in our_model.named_parameters()}
+    rows = torch.stack([row["input_ids"] for row in tiny_dataset(size=4 * max(steps, 1),
+                                                                  vocab_size=our_model.config.vocab_size)])
+    for batch_rows in rows.split(4)[:steps]:
+        for model, optimizer in ((our_model, our_optimizer), (their_model, theirs)):
+            step(model, optimizer, {"input_ids": batch_rows, "labels": batch_rows.clone()})
+    if steps:
+        assert any(not torch.equal(before[name], weight) for name, weight in our_model.named_parameters()), \
+            f"{optim}: no weight changed in {steps} steps"
+    their_weights = dict(their_model.named_parameters())
+    for name, weight in our_model.named_parameters():
+        assert_same_state(weight.detach(), their_weights[name].detach(), atol,
+                          path=f"{optim}: {name} after {steps} steps")
+    if compare_state and steps:
+        mine, other = our_optimizer.state_dict(), theirs.state_dict()
+        for state, skip in ((mine, (*ignore, "initial_lr")), (other, ignore)):
+            state["param_groups"] = [{k: v for k, v in group.items() if k not in skip}
+                                     for group in state["param_groups"]]
+        assert_same_state(mine, other, atol, path=f"{optim}: optimizer state")
+    return TrainerPair(our_optimizer, theirs, our_model, their_model)
 
 
 def free_port() -> int:

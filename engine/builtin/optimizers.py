@@ -14,65 +14,59 @@ import torch
 
 from engine import hookimpl
 from engine.errors import ConfigError
-from engine.optim import OptimArg, check_optim_args, param_groups
+from engine.optim import OptimArg, OptimizerFamily, param_groups
 
+PLUGIN = "builtin.optimizers"
 _FLOAT = OptimArg(float)
 _BOOL = OptimArg(bool)
-# optim name -> keys train.optim_args may set (as in Trainer's handlers)
-_OPTIM_ARGS: dict[str, dict[str, OptimArg]] = {
-    "adamw_torch": {},
-    "adamw_torch_fused": {},
-    "adafactor": {},
-    "sgd": {"momentum": _FLOAT, "dampening": _FLOAT, "weight_decay": _FLOAT, "nesterov": _BOOL},
-    "adagrad": {"lr_decay": _FLOAT, "weight_decay": _FLOAT, "eps": _FLOAT},
-    "rmsprop": {"momentum": _FLOAT, "alpha": _FLOAT, "eps": _FLOAT, "weight_decay": _FLOAT, "centered": _BOOL},
-}
 
 
-def _optim_args(run: Any) -> dict[str, Any]:
-    return check_optim_args(run, _OPTIM_ARGS[run.config.train.optim])
-
-
-def _groups(run: Any) -> list[dict[str, Any]]:
-    return param_groups(run.model, run.config.train.weight_decay)
-
-
-def adamw(run: Any, params: list[dict[str, Any]], fused: bool = False) -> torch.optim.Optimizer:
+def adamw(run: Any, params: list[dict[str, Any]], args: dict[str, Any]) -> torch.optim.Optimizer:
     t = run.config.train
-    kwargs = {"fused": True} if fused else {}
+    kwargs = {"fused": True} if t.optim == "adamw_torch_fused" else {}
     return torch.optim.AdamW(params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
                              eps=t.adam_epsilon, **kwargs)
 
 
-def adafactor(run: Any, params: list[dict[str, Any]]) -> torch.optim.Optimizer:
+def adafactor(run: Any, params: list[dict[str, Any]], args: dict[str, Any]) -> torch.optim.Optimizer:
     from transformers.optimization import Adafactor
 
     return Adafactor(params, lr=run.config.train.learning_rate, scale_parameter=False, relative_step=False)
 
 
-def _plain(cls: type) -> Any:
-    def factory(run: Any, params: list[dict[str, Any]]) -> torch.optim.Optimizer:
-        return cls(params, lr=run.config.train.learning_rate, **_optim_args(run))
+def _plain(cls: type, optim_args: dict[str, OptimArg]) -> OptimizerFamily:
+    """A torch optimizer that takes the learning rate and ``optim_args`` (as in Trainer's handlers)."""
 
-    return factory
+    def build(run: Any, params: list[dict[str, Any]], args: dict[str, Any]) -> torch.optim.Optimizer:
+        return cls(params, lr=run.config.train.learning_rate, **args)
+
+    return OptimizerFamily(PLUGIN, (cls.__name__.lower(),), build, optim_args=optim_args,
+                           reads=("learning_rate", "weight_decay"))
+
+
+FAMILIES = (
+    OptimizerFamily(PLUGIN, ("adamw_torch", "adamw_torch_fused"), adamw,
+                    reads=("learning_rate", "weight_decay", "adam")),
+    OptimizerFamily(PLUGIN, ("adafactor",), adafactor, reads=("learning_rate", "weight_decay")),
+    _plain(torch.optim.SGD, {"momentum": _FLOAT, "dampening": _FLOAT, "weight_decay": _FLOAT, "nesterov": _BOOL}),
+    _plain(torch.optim.Adagrad, {"lr_decay": _FLOAT, "weight_decay": _FLOAT, "eps": _FLOAT}),
+    _plain(torch.optim.RMSprop, {"momentum": _FLOAT, "alpha": _FLOAT, "eps": _FLOAT, "weight_decay": _FLOAT,
+                                 "centered": _BOOL}),
+)
 
 
 @hookimpl
 def register_optimizers(register):
-    register("adamw_torch", adamw)
-    register("adamw_torch_fused", lambda run, params: adamw(run, params, fused=True))
-    register("adafactor", adafactor)
-    register("sgd", _plain(torch.optim.SGD))
-    register("adagrad", _plain(torch.optim.Adagrad))
-    register("rmsprop", _plain(torch.optim.RMSprop))
+    for family in FAMILIES:
+        family.register(register)
 
 
 @hookimpl
 def configure(run):
     train = run.config.train
-    entry = run.registries["optimizer"].get(train.optim)
-    if entry.plugin == "builtin.optimizers":
-        _optim_args(run)  # refuse bad optim_args now, not after the model loaded
+    entry = run.registries["optimizer"].get(train.optim)  # an unknown name is refused here, with the known ones
+    for family in FAMILIES:
+        family.configure(run)  # bad optim_args are refused now, not after the model loaded
     if train.optim_target_modules is not None and not entry.takes_target_modules:  # Trainer ignores it
         raise ConfigError(f"train.optim_target_modules: {train.optim} optimizes every parameter and takes no "
                           "target modules (GaLore and APOLLO names do); remove optim_target_modules")
@@ -81,4 +75,4 @@ def configure(run):
 @hookimpl(trylast=True)
 def create_optimizer(run):
     entry = run.registries["optimizer"].get(run.config.train.optim)
-    return entry.factory(run, _groups(run))
+    return entry.factory(run, param_groups(run.model, run.config.train.weight_decay))

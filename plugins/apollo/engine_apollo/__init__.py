@@ -16,15 +16,8 @@ import torch
 
 from engine import hookimpl, lowrank
 from engine.errors import ConfigError
-from engine.lowrank import (  # noqa: F401 (hooks)
-    load_checkpoint_state,
-    on_train_end,
-    on_train_start,
-    training_step,
-)
 from engine.optim import OptimArg as Arg
-from engine.optim import check_optim_args
-from engine.util import require
+from engine.optim import OptimizerFamily
 
 __version__ = "0.1.0"
 
@@ -45,19 +38,6 @@ OPTIM_ARGS = {
 }
 
 
-def _library(optim: str) -> Any:
-    return require("apollo_torch", "apollo-torch", feature=f"train.optim = {optim!r}", extra=PLUGIN)
-
-
-def _args(run: Any) -> dict[str, Any]:
-    args = check_optim_args(run, OPTIM_ARGS)
-    if args["scale_type"] == "channel" and args["proj_type"] != "std":
-        # APOLLOAdamW's channel scaling assumes std's orientation: other types fail on some shapes
-        raise ConfigError(f"train.optim_args: proj_type={args['proj_type']} needs scale_type=tensor "
-                          "(with scale_type=channel, apollo-torch supports proj_type=std only)")
-    return args
-
-
 def _make_projector(optimizer: Any, group: dict[str, Any], state: dict[str, Any]) -> Any:
     return optimizer._initialize_projector(group, state)
 
@@ -68,32 +48,59 @@ def _seed_like_whole_model(optimizer: torch.optim.Optimizer, param: torch.nn.Par
     optimizer.state[param]["seed"] = position
 
 
-def create_apollo(run: Any, params: Any) -> torch.optim.Optimizer:
-    """Factory for both names; ``params`` (the engine's decay groups) are not used."""
+def create_apollo(run: Any, params: Any, args: dict[str, Any]) -> torch.optim.Optimizer:
+    """Both names; ``params`` (the engine's decay groups) are not used."""
     train = run.config.train
-    cls = _library(train.optim).APOLLOAdamW
-    target_kwargs = {**_args(run), "betas": (train.adam_beta1, train.adam_beta2), "eps": train.adam_epsilon}
+    cls = FAMILY.require(train.optim).APOLLOAdamW
+    target_kwargs = {**args, "betas": (train.adam_beta1, train.adam_beta2), "eps": train.adam_epsilon}
     return lowrank.build(run, cls, target_kwargs, {"lr": train.learning_rate}, _make_projector,
                          per_param=_seed_like_whole_model)
 
 
-@hookimpl
-def register_optimizers(register):
-    for optim in NAMES:
-        register(optim, create_apollo, takes_target_modules=True)
-
-
-@hookimpl
-def configure(run):
-    train = run.config.train
-    if train.optim not in NAMES:
-        return
-    _library(train.optim)
-    lowrank.check(run, OPTIM_ARGS, logger)
-    _args(run)
+def _check(run: Any, args: dict[str, Any]) -> None:
+    lowrank.check(run, logger)
+    if args["scale_type"] == "channel" and args["proj_type"] != "std":
+        # APOLLOAdamW's channel scaling assumes std's orientation: other types fail on some shapes
+        raise ConfigError(f"train.optim_args: proj_type={args['proj_type']} needs scale_type=tensor "
+                          "(with scale_type=channel, apollo-torch supports proj_type=std only)")
     lowrank.warn_unused_train_keys(run, ("weight_decay",), logger,
                                    "not used: as in transformers' Trainer, APOLLO gets no weight decay")
     lowrank.warn_unused_train_keys(
         run, ("adam_beta1", "adam_beta2", "adam_epsilon"), logger,
         "only reach the projected weights, as in transformers' Trainer; the other parameters "
         "use apollo-torch's defaults (betas (0.9, 0.999), eps 1e-6)")
+
+
+FAMILY = OptimizerFamily(PLUGIN, NAMES, create_apollo, library=("apollo_torch", "apollo-torch"),
+                         optim_args=OPTIM_ARGS, reads=("learning_rate", "adam"), check=_check,
+                         takes_target_modules=True)
+
+
+@hookimpl
+def register_optimizers(register):
+    FAMILY.register(register)
+
+
+@hookimpl
+def configure(run):
+    FAMILY.configure(run)
+
+
+@hookimpl(wrapper=True)
+def training_step(run, batches, num_items_in_batch):
+    return lowrank.without_grad_norm(run, (yield))
+
+
+@hookimpl
+def on_train_start(run):
+    lowrank.attach(run)
+
+
+@hookimpl
+def on_train_end(run):
+    lowrank.detach(run)
+
+
+@hookimpl
+def load_checkpoint_state(run, state):
+    lowrank.restore(run)

@@ -15,7 +15,7 @@ import engine.plugins
 from engine.errors import ConfigError, MissingDependencyError
 from engine.lowrank import LayerwiseOptimizer
 from engine.strategy import Strategy
-from engine.testing import run_steps, tiny_dataset, tiny_model
+from engine.testing import assert_matches_trainer, assert_resume_is_exact, run_steps, tiny_dataset, tiny_model
 
 TARGETS = [r".*attn.*", r".*mlp.*"]
 ARGS = "rank=4,update_proj_gap=2"
@@ -82,20 +82,6 @@ def test_layerwise_equals_the_whole_model_optimizer(trained):
 # ---------------------------------------------------------------------------- same as transformers
 
 
-def _trainer_build(optim, model, optim_args, tmp_path, **args):
-    from transformers import Trainer, TrainingArguments
-
-    args = TrainingArguments(output_dir=str(tmp_path), optim=optim, optim_args=optim_args, learning_rate=1e-2,
-                             optim_target_modules=TARGETS, report_to=[], **args)
-    return Trainer.get_optimizer_cls_and_kwargs(args, model)
-
-
-def _groups(optimizer, model):
-    names = {id(p): n for n, p in model.named_parameters()}
-    return [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
-            for g in optimizer.param_groups]
-
-
 def _seeds(optimizer, model):
     names = {id(p): n for n, p in model.named_parameters()}
     return {names[id(p)]: s["seed"] for p, s in optimizer.state.items()}
@@ -106,34 +92,25 @@ ADAM = {"adam_beta1": 0.8, "adam_beta2": 0.99, "adam_epsilon": 1e-7}
 
 @pytest.mark.parametrize("optim_args, adam", [(None, {}), (OTHER_ARGS, ADAM)])
 def test_optimizer_equals_trainers(optim_args, adam, tmp_path):
-    run = _run("apollo_adamw", tmp_path, optim_args=optim_args, learning_rate=1e-2, **adam)
-    ours = engine_apollo.create_apollo(run, None)
-    model = tiny_model()
-    cls, kwargs = _trainer_build("apollo_adamw", model, optim_args, tmp_path, **adam)
-    theirs = cls(kwargs.pop("params"), **kwargs)
-    assert type(ours) is cls and ours.defaults == theirs.defaults
-    assert _groups(ours, run.model) == _groups(theirs, model)
-    assert _seeds(ours, run.model) == _seeds(theirs, model)
+    """Trainer's class, groups, hyper-parameters and projection seeds; the same weights after two steps."""
+    pair = assert_matches_trainer("apollo_adamw", tmp_path, plugins=["apollo"], train={"learning_rate": 1e-2, **adam},
+                                  optim_args=optim_args, optim_target_modules=TARGETS)
+    assert _seeds(pair.ours, pair.our_model) == _seeds(pair.theirs, pair.their_model)
 
 
 def test_layerwise_optimizers_equal_trainers_but_seeds(tmp_path):
-    run = _run("apollo_adamw_layerwise", tmp_path, learning_rate=1e-2)
-    ours = engine_apollo.create_apollo(run, None)
-    model = tiny_model()
-    _, kwargs = _trainer_build("apollo_adamw_layerwise", model, ARGS, tmp_path)
-    theirs = kwargs["optimizer_dict"]
-    names, theirs_names = ({id(p): n for n, p in m.named_parameters()} for m in (run.model, model))
-    assert [names[id(p)] for p in ours.optimizers] == [theirs_names[id(p)] for p in theirs]
-    for a, b in zip(ours.optimizers.values(), theirs.values()):
-        assert type(a) is type(b) and a.defaults == b.defaults
-        assert _groups(a, run.model) == _groups(b, model)
+    """Per parameter: Trainer's class, groups and hyper-parameters; not its seeds (so not its updates:
+    ours train as apollo_adamw does, see test_layerwise_equals_the_whole_model_optimizer)."""
+    pair = assert_matches_trainer("apollo_adamw_layerwise", tmp_path, plugins=["apollo"],
+                                  train={"learning_rate": 1e-2}, optim_args=ARGS, optim_target_modules=TARGETS, steps=0)
+    ours, theirs = pair.ours.optimizers, pair.theirs.optimizer_dict
     # Trainer gives every per-parameter optimizer seed 1; ours keep the whole-model seeds
-    assert {s for o in theirs.values() for s in _seeds(o, model).values()} == {1}
+    assert {s for o in theirs.values() for s in _seeds(o, pair.their_model).values()} == {1}
     whole_run = _run("apollo_adamw", tmp_path)
-    whole = engine_apollo.create_apollo(whole_run, None)
-    layerwise_seeds = {name: seed for o in ours.optimizers.values() for name, seed in _seeds(o, run.model).items()}
+    whole = engine_apollo.FAMILY.create(whole_run, None)
+    layerwise_seeds = {name: seed for o in ours.values() for name, seed in _seeds(o, pair.our_model).items()}
     assert layerwise_seeds == _seeds(whole, whole_run.model)
-    assert sorted(layerwise_seeds.values()) == list(range(1, len(names) + 1))
+    assert sorted(layerwise_seeds.values()) == list(range(1, len(ours) + 1))
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -141,17 +118,12 @@ def test_layerwise_optimizers_equal_trainers_but_seeds(tmp_path):
 
 @pytest.mark.parametrize("optim", engine_apollo.NAMES)
 def test_resume_continues_exactly(optim, tmp_path):
+    """5 steps straight == 3 steps, checkpoint, resume to 5 (logged values, weights, optimizer state),
+    with the projections and seeds the checkpoint holds."""
     # update_proj_gap=2: the step-2 projection (second seed) is in use at step 3, where we resume
-    train = _train(optim=optim, save_strategy="steps", save_steps=3, max_grad_norm=0.0)
-    straight = run_steps(5, plugins=["apollo"], train=train, output_dir=tmp_path)
-    checkpoint = tmp_path / "checkpoint-3"
-    torch.load(checkpoint / "optimizer.pt", weights_only=True)  # no pickled projector objects
-    resumed = run_steps(5, plugins=["apollo"], train={**train, "resume_from_checkpoint": str(checkpoint)},
-                        output_dir=tmp_path / "resumed")
-    assert _losses(resumed) == _losses(straight)  # 3 steps restored from the checkpoint, 2 trained
-    for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
-    states = [(s, t) for a, b in zip(_inner(straight.optimizer), _inner(resumed.optimizer))
+    runs = assert_resume_is_exact(5, 3, tmp_path, plugins=["apollo"], train=_train(optim=optim, max_grad_norm=0.0))
+    torch.load(runs.checkpoint / "optimizer.pt", weights_only=True)  # no pickled projector objects
+    states = [(s, t) for a, b in zip(_inner(runs.straight.optimizer), _inner(runs.resumed.optimizer))
               for s, t in zip(a.state.values(), b.state.values()) if "projector" in s]
     assert len(states) == 14
     for s, t in states:
@@ -214,7 +186,7 @@ def test_adam_settings_reach_the_projected_weights_only(tmp_path):
         logging.getLogger("engine.apollo").removeHandler(handler)
     assert any("train.weight_decay = 0.1 not used" in m for m in messages)
     assert any("train.adam_beta1 = 0.8 only reach the projected weights" in m for m in messages)
-    groups = engine_apollo.create_apollo(run, None).param_groups
+    groups = engine_apollo.FAMILY.create(run, None).param_groups
     assert groups[0]["betas"] == (0.9, 0.999) and groups[1]["betas"] == (0.8, 0.999)
 
 

@@ -28,8 +28,7 @@ from typing import Any
 import torch
 
 from engine import hookimpl
-from engine.optim import OptimArg, check_optim_args
-from engine.util import require
+from engine.optim import OptimArg, OptimizerFamily
 
 __version__ = "0.1.0"
 
@@ -71,7 +70,7 @@ OPTIMIZERS: dict[str, Spec] = {
 }
 
 
-# ---------------------------------------------------------------------------- optim_args
+# ---------------------------------------------------------------------------- keyword arguments
 
 _UNIT = OptimArg(float, expect="float in [0, 1)", valid=lambda v: 0 <= v < 1)
 _NON_NEGATIVE = OptimArg(float, expect="float >= 0", valid=lambda v: v >= 0)
@@ -101,54 +100,6 @@ def _ademamix_kwargs(train: Any, args: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-@dataclass(frozen=True)
-class Family:
-    cls: str  # class name in bitsandbytes.optim
-    kwargs: Callable[[Any, dict[str, Any]], dict[str, Any]]  # (train config, typed optim_args) -> kwargs
-    optim_args: dict[str, OptimArg]  # keys train.optim_args may set
-    uses_adam_args: bool  # reads train.adam_beta1 / adam_beta2 (and adam_epsilon)
-    pageable: bool = True  # takes is_paged (bitsandbytes' RMSprop does not)
-
-
-FAMILIES = {
-    "adamw": Family("AdamW", _adamw_kwargs, {}, True),
-    "lion": Family("Lion", _lion_kwargs, {}, True),
-    "rmsprop": Family("RMSprop", _rmsprop_kwargs, {
-        "alpha": OptimArg(float, expect="float in (0, 1)", valid=lambda v: 0 < v < 1),
-        "eps": _NON_NEGATIVE, "momentum": _UNIT}, False, pageable=False),
-    "ademamix": Family("AdEMAMix", _ademamix_kwargs, {
-        "beta1": _UNIT, "beta2": _UNIT, "beta3": _UNIT, "alpha": _NON_NEGATIVE, "eps": _NON_NEGATIVE,
-        "t_alpha": _STEPS, "t_beta3": _STEPS}, True),
-}
-
-# Keys people carry over from other optimizers, and where they go instead.
-_ELSEWHERE = {
-    "lr": "set train.learning_rate",
-    "learning_rate": "set train.learning_rate",
-    "weight_decay": "set train.weight_decay (applied per parameter group, none on biases and norms)",
-    "optim_bits": "the name sets it: *_8bit or *_32bit",
-    "is_paged": "the name sets it: paged_*",
-    "centered": "bitsandbytes has no centered RMSprop; use optim = \"rmsprop\" (torch)",
-}
-_ADAM_ELSEWHERE = {  # for the families that read train.adam_*
-    "betas": "set train.adam_beta1 / train.adam_beta2",
-    "beta1": "set train.adam_beta1",
-    "beta2": "set train.adam_beta2",
-    "eps": "set train.adam_epsilon (Lion has no eps)",
-}
-
-
-def optim_args(run: Any) -> dict[str, Any]:
-    """``train.optim_args`` for the run's bnb optimizer, typed and checked (ConfigError naming the key)."""
-    family = FAMILIES[OPTIMIZERS[run.config.train.optim].family]
-    return check_optim_args(run, family.optim_args,
-                            elsewhere={**_ELSEWHERE, **(_ADAM_ELSEWHERE if family.uses_adam_args else {})})
-
-
-def _bnb_optim(optim: str) -> Any:
-    return require("bitsandbytes.optim", "bitsandbytes", feature=f"train.optim = {optim!r}", extra=PLUGIN)
-
-
 # ---------------------------------------------------------------------------- factory
 
 _paged_cpu_warned = False  # the paged-on-CPU warning is said once per process
@@ -174,37 +125,70 @@ def _embeddings_in_32bit(bnb_optim: Any, model: torch.nn.Module) -> None:
             manager.register_module_override(module, "weight", {"optim_bits": 32})
 
 
-def create(optim: str, run: Any, params: list[dict[str, Any]]) -> torch.optim.Optimizer:
-    """Optimizer factory for name ``optim``: ``params`` are ``engine.param_groups`` groups."""
-    bnb_optim = _bnb_optim(optim)
-    spec, train = OPTIMIZERS[optim], run.config.train
-    family = FAMILIES[spec.family]
-    kwargs = {"lr": train.learning_rate, **family.kwargs(train, optim_args(run)),
-              "optim_bits": spec.optim_bits}
+def create(cls: str, kwargs: Callable[[Any, dict[str, Any]], dict[str, Any]], pageable: bool,
+           run: Any, params: list[dict[str, Any]], args: dict[str, Any]) -> torch.optim.Optimizer:
+    """``bitsandbytes.optim.<cls>`` for the run's name over ``params`` (``engine.param_groups`` groups):
+    ``kwargs(train config, checked optim_args)`` and Trainer's lr, optim_bits and is_paged
+    (``pageable``: the class takes it; bitsandbytes' RMSprop does not)."""
+    optim, train = run.config.train.optim, run.config.train
+    spec = OPTIMIZERS[optim]
+    bnb_optim = FAMILIES[spec.family].require(optim)
+    options = {"lr": train.learning_rate, **kwargs(train, args), "optim_bits": spec.optim_bits}
     paged = spec.is_paged
     if paged and any(p.device.type == "cpu" for group in params for p in group["params"]):
         # unpaged outright: bitsandbytes' AdEMAMix asks for managed (CUDA) memory for tensors of
         # >= 100k elements whatever their device, and fails on a CPU-only build
         _warn_paged_on_cpu(optim)
         paged = False
-    if family.pageable:
-        kwargs["is_paged"] = paged
-    optimizer = getattr(bnb_optim, family.cls)(params, **kwargs)
+    if pageable:
+        options["is_paged"] = paged
+    optimizer = getattr(bnb_optim, cls)(params, **options)
     if spec.optim_bits == 8 and run.model is not None:
         _embeddings_in_32bit(bnb_optim, run.model)
     return optimizer
 
 
+# ---------------------------------------------------------------------------- families
+
+# Keys people carry over from other optimizers, and where they go instead (besides the core's
+# hints for learning_rate, weight_decay and the adam_* settings).
+_ELSEWHERE = {
+    "optim_bits": "the name sets it: *_8bit or *_32bit",
+    "is_paged": "the name sets it: paged_*",
+    "centered": "bitsandbytes has no centered RMSprop; use optim = \"rmsprop\" (torch)",
+}
+
+
+def _family(family: str, cls: str, kwargs: Callable[[Any, dict[str, Any]], dict[str, Any]],
+            optim_args: dict[str, OptimArg] | None = None, reads_adam: bool = True, pageable: bool = True,
+            elsewhere: dict[str, str] | None = None) -> OptimizerFamily:
+    """The names of one bitsandbytes class, sharing its optim_args table."""
+    return OptimizerFamily(
+        PLUGIN, tuple(name for name, spec in OPTIMIZERS.items() if spec.family == family),
+        partial(create, cls, kwargs, pageable), library=("bitsandbytes.optim", "bitsandbytes"),
+        optim_args=optim_args or {}, reads=("learning_rate", "weight_decay") + (("adam",) if reads_adam else ()),
+        elsewhere={**_ELSEWHERE, **(elsewhere or {})})
+
+
+FAMILIES = {
+    "adamw": _family("adamw", "AdamW", _adamw_kwargs),
+    "lion": _family("lion", "Lion", _lion_kwargs, elsewhere={"eps": "bitsandbytes' Lion has no eps"}),
+    "rmsprop": _family("rmsprop", "RMSprop", _rmsprop_kwargs, {
+        "alpha": OptimArg(float, expect="float in (0, 1)", valid=lambda v: 0 < v < 1),
+        "eps": _NON_NEGATIVE, "momentum": _UNIT}, reads_adam=False, pageable=False),
+    "ademamix": _family("ademamix", "AdEMAMix", _ademamix_kwargs, {
+        "beta1": _UNIT, "beta2": _UNIT, "beta3": _UNIT, "alpha": _NON_NEGATIVE, "eps": _NON_NEGATIVE,
+        "t_alpha": _STEPS, "t_beta3": _STEPS}),
+}
+
+
 @hookimpl
 def register_optimizers(register):
-    for optim in OPTIMIZERS:
-        register(optim, partial(create, optim))
+    for family in FAMILIES.values():
+        family.register(register)
 
 
 @hookimpl
 def configure(run):
-    train = run.config.train
-    if train.optim not in OPTIMIZERS:
-        return
-    _bnb_optim(train.optim)
-    optim_args(run)
+    for family in FAMILIES.values():
+        family.configure(run)

@@ -5,7 +5,6 @@ Real bitsandbytes on the CPU, real transformers Trainer; no mocks.
 
 from __future__ import annotations
 
-import copy
 import sys
 import warnings
 
@@ -16,8 +15,7 @@ import torch
 
 import engine
 import engine.plugins
-from engine import hookimpl
-from engine.testing import run_steps, tiny_dataset, tiny_model
+from engine.testing import assert_matches_trainer, assert_resume_is_exact, run_steps, tiny_dataset, tiny_model
 
 NAMES = list(engine_bnb.OPTIMIZERS)
 CLASSES = {"adamw": bnb_optim.AdamW, "lion": bnb_optim.Lion, "rmsprop": bnb_optim.RMSprop,
@@ -44,22 +42,6 @@ def fresh_bnb_overrides():
 
 def _losses(run):
     return [h["loss"] for h in run.state.log_history if "loss" in h]
-
-
-def _state_dicts_equal(a, b, path="state"):
-    assert type(a) is type(b) or (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple))), path
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for key in a:
-            _state_dicts_equal(a[key], b[key], f"{path}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            _state_dicts_equal(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
 
 
 def _config(optim, tmp_path, **train):
@@ -89,32 +71,20 @@ def test_names_need_the_plugin(tmp_path):
 # ---------------------------------------------------------------------------- training and resume
 
 
-class Capture:
-    """Records the optimizer state at train start (after a resume restored it)."""
-
-    name = "capture"  # both runs of a resume test enable the same plugins, as checkpoints require
-
-    @hookimpl
-    def on_train_start(self, run):
-        self.restored = copy.deepcopy(run.optimizer.state_dict())  # state_dict() shares the tensors
-
-
 @pytest.fixture(scope="module", params=NAMES)
 def trained(request, tmp_path_factory):
-    """7 steps of the tiny model with a checkpoint at step 4 (shared by the tests below)."""
+    """7 steps of the tiny model with a checkpoint at step 4, and a run resumed from it that ends
+    the same (``assert_resume_is_exact``: restored state, logged values, weights, optimizer state)."""
     _fresh_bnb_overrides()
     name = request.param
-    out = tmp_path_factory.mktemp(name)
     train = {"optim": name, "weight_decay": 0.1, "save_final_model": False,
              "learning_rate": LEARNING_RATE.get(engine_bnb.OPTIMIZERS[name].family, 1e-2)}
-    run = run_steps(7, plugins=["bnb"], objects=[Capture()], output_dir=out / "straight",
-                    train={**train, "save_strategy": "steps", "save_steps": 4})
-    return run, train, out
+    return assert_resume_is_exact(7, 4, tmp_path_factory.mktemp(name), plugins=["bnb"], train=train)
 
 
 def test_trains_and_loss_falls(trained):
-    run, train, _ = trained
-    spec = engine_bnb.OPTIMIZERS[train["optim"]]
+    run = trained.straight
+    spec = engine_bnb.OPTIMIZERS[run.config.train.optim]
     assert type(run.optimizer) is CLASSES[spec.family]
     assert run.state.global_step == 7
     losses = _losses(run)
@@ -128,71 +98,35 @@ def test_trains_and_loss_falls(trained):
 
 
 def test_resume_restores_state_and_steps_identically(trained):
-    straight, train, out = trained
-    checkpoint = out / "straight" / "checkpoint-4"
-    saved = torch.load(checkpoint / "optimizer.pt", weights_only=True)
-
-    capture = Capture()
-    resumed = run_steps(7, plugins=["bnb"], objects=[capture], output_dir=out / "resumed",
-                        train={**train, "resume_from_checkpoint": str(checkpoint)})
-    _state_dicts_equal(capture.restored, saved)
+    straight = trained.straight
+    saved = torch.load(trained.checkpoint / "optimizer.pt", weights_only=True)  # restored as saved (the fixture)
     order = [id(p) for group in straight.optimizer.param_groups for p in group["params"]]
     quant = saved["state"][order.index(id(straight.model.lm_head.weight))]["__bnb_optimizer_quant_state__"]
-    assert quant["state1"].dtype == (torch.uint8 if engine_bnb.OPTIMIZERS[train["optim"]].optim_bits == 8 else torch.float32)
+    assert quant["state1"].dtype == (torch.uint8 if engine_bnb.OPTIMIZERS[straight.config.train.optim].optim_bits == 8
+                                     else torch.float32)
     if quant["state1"].dtype == torch.uint8:
         assert {"absmax1", "qmap1"} <= quant.keys()
-    assert resumed.state.global_step == 7
-    assert _losses(resumed)[-3:] == _losses(straight)[-3:]
-    for (n, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
-        torch.testing.assert_close(q, p, rtol=0, atol=0, msg=n)
-    _state_dicts_equal(resumed.optimizer.state_dict(), straight.optimizer.state_dict())
+    assert trained.resumed.state.global_step == 7
 
 
 # ---------------------------------------------------------------------------- equals transformers
 
 
-def _batch():
-    rows = torch.stack([tiny_dataset()[i]["input_ids"] for i in range(4)])
-    return {"input_ids": rows, "labels": rows}
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_equals_transformers_trainer_optimizer(name, tmp_path):
-    from transformers import Trainer, TrainingArguments
-
-    optim_args = OPTIM_ARGS.get(engine_bnb.OPTIMIZERS[name].family)
-    run = engine.Run(_config(name, tmp_path, optim_args=optim_args, **TRAIN),
-                     model=tiny_model(), train_dataset=tiny_dataset())
-    run.setup()
-    ours = run.optimizer
-    args = TrainingArguments(output_dir=str(tmp_path / "hf"), optim=TRANSFORMERS_NAME.get(name, name),
-                             optim_args=optim_args, report_to=[], use_cpu=True, **TRAIN)
-    trainer = Trainer(model=tiny_model(), args=args)
-    theirs = trainer.create_optimizer()
-
-    assert type(ours) is type(theirs)
+    """Same class, bitsandbytes arguments, groups and hyper-parameters; after two steps the same
+    weights and state (dtype and values: per-parameter overrides included)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' paged optimizers warn on the CPU
+        pair = assert_matches_trainer(name, tmp_path, plugins=["bnb"], train=TRAIN,
+                                      trainer_optim=TRANSFORMERS_NAME.get(name),
+                                      optim_args=OPTIM_ARGS.get(engine_bnb.OPTIMIZERS[name].family), atol=0,
+                                      compare_state=True)
+    ours, theirs = pair.ours, pair.theirs
     assert vars(ours.args) == vars(theirs.args)  # optim_bits, min_8bit_size, max_unorm, skip_zeros
     # on the CPU ours is built unpaged (Trainer's paged flag does nothing there but crash AdEMAMix)
     assert theirs.is_paged == engine_bnb.OPTIMIZERS[name].is_paged and ours.is_paged is False
-    our_names = {id(p): n for n, p in run.model.named_parameters()}
-    their_names = {id(p): n for n, p in trainer.model.named_parameters()}
-    assert len(ours.param_groups) == len(theirs.param_groups) == 2
-    for mine, hf in zip(ours.param_groups, theirs.param_groups):
-        assert [our_names[id(p)] for p in mine["params"]] == [their_names[id(p)] for p in hf["params"]]
-        mine = {k: v for k, v in mine.items() if k not in ("params", "initial_lr")}  # initial_lr: our scheduler's
-        assert mine == {k: v for k, v in hf.items() if k != "params"}
-
-    # Same gradients -> same state (dtype and values: per-parameter overrides included) and update.
-    for model, optimizer in ((run.model, ours), (trainer.model, theirs)):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # transformers' paged optimizers warn on the CPU
-            for _ in range(2):
-                model(**_batch()).loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-    for (n, p), q in zip(run.model.named_parameters(), trainer.model.parameters()):
-        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=n)
-    _state_dicts_equal(ours.state_dict()["state"], theirs.state_dict()["state"])
+    assert len(ours.param_groups) == 2
 
 
 def test_rmsprop_optim_args_are_typed(tmp_path):

@@ -15,15 +15,8 @@ import torch
 
 from engine import hookimpl, lowrank
 from engine.errors import ConfigError
-from engine.lowrank import (  # noqa: F401 (hooks)
-    load_checkpoint_state,
-    on_train_end,
-    on_train_start,
-    training_step,
-)
 from engine.optim import OptimArg as Arg
-from engine.optim import check_optim_args
-from engine.util import require
+from engine.optim import OptimizerFamily
 
 __version__ = "0.1.0"
 
@@ -45,10 +38,6 @@ OPTIM_ARGS = {
 }
 
 
-def _library(optim: str) -> Any:
-    return require("galore_torch", "galore-torch", feature=f"train.optim = {optim!r}", extra=PLUGIN)
-
-
 def _make_projector(optimizer: Any, group: dict[str, Any], state: dict[str, Any]) -> Any:
     from galore_torch.galore_projector import GaLoreProjector
 
@@ -56,31 +45,21 @@ def _make_projector(optimizer: Any, group: dict[str, Any], state: dict[str, Any]
                            proj_type=group["proj_type"])
 
 
-def create_galore(run: Any, params: Any) -> torch.optim.Optimizer:
-    """Factory for every GaLore name; ``params`` (the engine's decay groups) are not used."""
+def create_galore(run: Any, params: Any, args: dict[str, Any]) -> torch.optim.Optimizer:
+    """Every GaLore name; ``params`` (the engine's decay groups) are not used."""
     name = run.config.train.optim
     base = name.removesuffix(lowrank.LAYERWISE)
-    cls = getattr(_library(name), CLASSES[base])
+    cls = getattr(FAMILY.require(name), CLASSES[base])
     optimizer_kwargs: dict[str, Any] = {"lr": run.config.train.learning_rate}
     if base == "galore_adafactor":
         # Trainer sets these for galore_adafactor only, so galore_adafactor_layerwise fails there
         optimizer_kwargs.update(scale_parameter=False, relative_step=False)
-    return lowrank.build(run, cls, check_optim_args(run, OPTIM_ARGS), optimizer_kwargs, _make_projector)
+    return lowrank.build(run, cls, args, optimizer_kwargs, _make_projector)
 
 
-@hookimpl
-def register_optimizers(register):
-    for optim in NAMES:
-        register(optim, create_galore, takes_target_modules=True)
-
-
-@hookimpl
-def configure(run):
+def _check(run: Any, args: dict[str, Any]) -> None:
     train = run.config.train
-    if train.optim not in NAMES:
-        return
-    _library(train.optim)
-    lowrank.check(run, OPTIM_ARGS, logger)
+    lowrank.check(run, logger)
     if "8bit" in train.optim and (train.use_cpu or not torch.cuda.is_available()):
         raise ConfigError(f"train.optim: {train.optim} needs a CUDA device (galore-torch's GaLoreAdamW8bit "
                           "calls torch.cuda.synchronize() every step); on CPU use "
@@ -90,3 +69,37 @@ def configure(run):
         run, ("weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon"), logger,
         f"not used: as in transformers' Trainer, GaLore optimizers get only learning_rate from [train] and "
         f"otherwise galore-torch's defaults ({defaults})")
+
+
+FAMILY = OptimizerFamily(PLUGIN, NAMES, create_galore, library=("galore_torch", "galore-torch"),
+                         optim_args=OPTIM_ARGS, check=_check, takes_target_modules=True)
+
+
+@hookimpl
+def register_optimizers(register):
+    FAMILY.register(register)
+
+
+@hookimpl
+def configure(run):
+    FAMILY.configure(run)
+
+
+@hookimpl(wrapper=True)
+def training_step(run, batches, num_items_in_batch):
+    return lowrank.without_grad_norm(run, (yield))
+
+
+@hookimpl
+def on_train_start(run):
+    lowrank.attach(run)
+
+
+@hookimpl
+def on_train_end(run):
+    lowrank.detach(run)
+
+
+@hookimpl
+def load_checkpoint_state(run, state):
+    lowrank.restore(run)

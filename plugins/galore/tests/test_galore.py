@@ -17,7 +17,7 @@ from engine import lowrank
 from engine.errors import ConfigError, MissingDependencyError
 from engine.lowrank import LayerwiseOptimizer
 from engine.strategy import Strategy
-from engine.testing import run_steps, tiny_dataset, tiny_model
+from engine.testing import assert_matches_trainer, assert_resume_is_exact, run_steps, tiny_dataset, tiny_model
 
 TARGETS = [r".*attn.*", r".*mlp.*"]
 ARGS = "rank=4,update_proj_gap=50,scale=0.5,proj_type=std"
@@ -121,43 +121,33 @@ def _trainer_build(optim, model, optim_args, tmp_path):
     return Trainer.get_optimizer_cls_and_kwargs(args, model)
 
 
-def _groups(optimizer, model):
-    names = {id(p): n for n, p in model.named_parameters()}
-    return [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
-            for g in optimizer.param_groups]
-
-
 def _ours(optim, tmp_path, optim_args):
-    """Our optimizer for ``optim``; 8-bit names are refused on CPU, so build those from a galore_adamw run."""
+    """Our (model, optimizer) for ``optim``; 8-bit names are refused on CPU, so build those from a galore_adamw run."""
     run = _run(optim.replace("_8bit", ""), tmp_path, optim_args=optim_args, learning_rate=1e-2)
     run.config.train.optim = optim
-    return run.model, engine_galore.create_galore(run, None)
+    return run.model, engine_galore.FAMILY.create(run, None)
+
+
+def _matches_trainer(optim, tmp_path, optim_args):
+    """Trainer's optimizer, groups and hyper-parameters (per parameter for layerwise names), and the
+    same weights after two steps; 8-bit names only as built (they need CUDA to step)."""
+    if "8bit" in optim:
+        return assert_matches_trainer(optim, tmp_path, train={"learning_rate": 1e-2}, optim_args=optim_args,
+                                      optim_target_modules=TARGETS, ours=_ours(optim, tmp_path, optim_args), steps=0)
+    return assert_matches_trainer(optim, tmp_path, plugins=["galore"], train={"learning_rate": 1e-2},
+                                  optim_args=optim_args, optim_target_modules=TARGETS)
 
 
 @pytest.mark.parametrize("optim_args", [ARGS.replace("std", "left"), None])
 @pytest.mark.parametrize("optim", ["galore_adamw", "galore_adamw_8bit", "galore_adafactor"])
 def test_optimizer_equals_trainers(optim, optim_args, tmp_path):
-    model, ours = _ours(optim, tmp_path, optim_args)
-    theirs_model = tiny_model()
-    cls, kwargs = _trainer_build(optim, theirs_model, optim_args, tmp_path)
-    theirs = cls(kwargs.pop("params"), **kwargs)
-    assert type(ours) is cls
-    assert _groups(ours, model) == _groups(theirs, theirs_model)
-    assert ours.defaults == theirs.defaults
+    _matches_trainer(optim, tmp_path, optim_args)
 
 
 @pytest.mark.parametrize("optim", ["galore_adamw_layerwise", "galore_adamw_8bit_layerwise"])
 def test_layerwise_optimizers_equal_trainers(optim, tmp_path):
-    model, ours = _ours(optim, tmp_path, ARGS)
-    theirs_model = tiny_model()
-    _, kwargs = _trainer_build(optim, theirs_model, ARGS, tmp_path)
-    theirs = kwargs["optimizer_dict"]
-    theirs_names = {id(p): n for n, p in theirs_model.named_parameters()}
-    names = {id(p): n for n, p in model.named_parameters()}
-    assert [names[id(p)] for p in ours.optimizers] == [theirs_names[id(p)] for p in theirs]
-    for a, b in zip(ours.optimizers.values(), theirs.values()):
-        assert type(a) is type(b)
-        assert _groups(a, model) == _groups(b, theirs_model) and a.defaults == b.defaults
+    pair = _matches_trainer(optim, tmp_path, ARGS)
+    assert isinstance(pair.ours, LayerwiseOptimizer) and len(pair.ours.optimizers) == len(pair.theirs.optimizer_dict)
 
 
 def test_adafactor_layerwise_works_where_trainer_fails(tmp_path):
@@ -183,24 +173,19 @@ def test_adafactor_layerwise_works_where_trainer_fails(tmp_path):
 
 @pytest.mark.parametrize("optim", ["galore_adamw", "galore_adafactor_layerwise"])
 def test_resume_continues_exactly(optim, tmp_path):
-    train = _train(optim=optim, save_strategy="steps", save_steps=2, max_grad_norm=0.0)
-    straight = run_steps(4, plugins=["galore"], train=train, output_dir=tmp_path)
-    checkpoint = tmp_path / "checkpoint-2"
-    saved = torch.load(checkpoint / "optimizer.pt", weights_only=True)  # no pickled projector objects
+    """4 steps straight == 2 steps, checkpoint, resume to 4 (logged values, weights, optimizer state),
+    with the projections the checkpoint holds."""
+    runs = assert_resume_is_exact(4, 2, tmp_path, plugins=["galore"], train=_train(optim=optim, max_grad_norm=0.0))
+    saved = torch.load(runs.checkpoint / "optimizer.pt", weights_only=True)  # no pickled projector objects
     states = saved["layerwise"] if lowrank.is_layerwise(optim) else [saved]
     ortho = [s["projector"]["ortho_matrix"] for sd in states for s in sd["state"].values() if "projector" in s]
     assert len(ortho) == 14
-
-    resumed = run_steps(4, plugins=["galore"], train={**train, "resume_from_checkpoint": str(checkpoint)},
-                        output_dir=tmp_path / "resumed")
-    assert _losses(resumed) == _losses(straight)  # 2 steps restored from the checkpoint, 2 trained
-    for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    resumed = runs.resumed
     inner = resumed.optimizer.optimizers.values() if lowrank.is_layerwise(optim) else [resumed.optimizer]
     projectors = [s["projector"] for o in inner for s in o.state.values() if "projector" in s]
     assert all(type(p).__name__ == "GaLoreProjector" and p.proj_type == "std" for p in projectors)
     # update_proj_gap=50: the step-0 projections came from the checkpoint, not from a new SVD
-    for matrix, projector in zip(ortho, projectors):
+    for matrix, projector in zip(ortho, projectors, strict=True):
         torch.testing.assert_close(matrix, projector.ortho_matrix, rtol=0, atol=0)
 
 

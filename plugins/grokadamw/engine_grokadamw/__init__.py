@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import engine
-from engine import OptimArg, hookimpl
+from engine import OptimArg, OptimizerFamily, hookimpl
 from engine.util import load_callable
 
 __version__ = "0.1.0"
@@ -51,15 +51,10 @@ def plugin_options():
 
 def _library() -> Any:
     """``engine_grokadamw.optimizer`` (imports grokadamw), or a MissingDependencyError naming the extra."""
-    engine.require("grokadamw", "grokadamw", feature="train.optim = 'grokadamw'", extra=PLUGIN)
+    FAMILY.require("grokadamw")
     from . import optimizer
 
     return optimizer
-
-
-def optim_kwargs(run: Any) -> dict[str, float]:
-    """Trainer's GrokAdamW keyword arguments: its defaults updated by ``train.optim_args``."""
-    return engine.check_optim_args(run, OPTIM_ARGS)
 
 
 def _signal_factories(run: Any) -> list[Any]:
@@ -78,16 +73,8 @@ def _signal_factories(run: Any) -> list[Any]:
     return makers
 
 
-@hookimpl
-def configure(run):
-    _signal_factories(run)  # refuse bad signal specs even when another optimizer is chosen
-    if run.config.train.optim == "grokadamw":
-        _library()
-        optim_kwargs(run)
-
-
-def create_grokadamw(run: Any, params: list[dict[str, Any]]) -> Any:
-    """Factory: Trainer's GrokAdamW (decay/no-decay groups, lr, optim_args) plus the signals.
+def create_grokadamw(run: Any, params: list[dict[str, Any]], args: dict[str, Any]) -> Any:
+    """Trainer's GrokAdamW (decay/no-decay groups, lr, optim_args over Trainer's defaults) plus the signals.
 
     Trainer passes no betas and eps (the library's defaults equal [train]'s defaults); the
     engine passes ``adam_beta1``, ``adam_beta2`` and ``adam_epsilon`` so that setting them has
@@ -96,9 +83,19 @@ def create_grokadamw(run: Any, params: list[dict[str, Any]]) -> Any:
     train = run.config.train
     fns = [make(run) for make in _signal_factories(run)]
     return _library().GrokAdamW(params, lr=train.learning_rate, betas=(train.adam_beta1, train.adam_beta2),
-                                eps=train.adam_epsilon, grokking_signal_fns=fns or None, **optim_kwargs(run))
+                                eps=train.adam_epsilon, grokking_signal_fns=fns or None, **args)
+
+
+FAMILY = OptimizerFamily(PLUGIN, ("grokadamw",), create_grokadamw, library=("grokadamw", "grokadamw"),
+                         optim_args=OPTIM_ARGS, reads=("learning_rate", "weight_decay", "adam"))
 
 
 @hookimpl
 def register_optimizers(register):
-    register("grokadamw", create_grokadamw)
+    FAMILY.register(register)
+
+
+@hookimpl
+def configure(run):
+    _signal_factories(run)  # refuse bad signal specs even when another optimizer is chosen
+    FAMILY.configure(run)

@@ -14,7 +14,7 @@ from engine_grokadamw.optimizer import GrokAdamW, LossGap
 
 import engine
 import engine.plugins
-from engine.testing import run_steps, tiny_dataset, tiny_model
+from engine.testing import assert_matches_trainer, assert_resume_is_exact, run_steps, tiny_dataset
 
 # the library enters torch.cuda.amp.autocast() for every parameter update
 pytestmark = [pytest.mark.filterwarnings("ignore:`torch.cuda.amp.autocast"),
@@ -86,19 +86,14 @@ def test_our_state_dict_round_trip_continues_exactly():
 
 
 def test_resume_gives_the_uninterrupted_run(tmp_path):
-    train = {"optim": "grokadamw", "learning_rate": 3e-3, "save_strategy": "steps", "save_steps": 3,
-             "eval_strategy": "steps", "eval_steps": 2}
-    common = dict(plugins=["grokadamw"], sections={"grokadamw": {"signals": ["loss_gap"]}})
-    full = run_steps(6, output_dir=tmp_path / "full", train=train, eval_dataset=tiny_dataset(8, seed=1), **common)
-    resumed = run_steps(6, output_dir=tmp_path / "resumed", model=tiny_model(seed=1), eval_dataset=tiny_dataset(8, seed=1),
-                        train={**train, "resume_from_checkpoint": str(tmp_path / "full" / "checkpoint-3")}, **common)
-    assert _losses(resumed)[-3:] == _losses(full)[-3:]
-    for name, value in _params(full.model).items():
-        assert torch.equal(value, dict(resumed.model.named_parameters())[name]), name
-    for param, state in full.optimizer.state.items():
-        other = resumed.optimizer.state[dict(zip(full.model.parameters(), resumed.model.parameters()))[param]]
-        assert state["step"] == other["step"] == 6
-        assert all(torch.equal(state[k], other[k]) for k in ("exp_avg", "exp_avg_sq", "grok_ema"))
+    """6 steps straight == 3 steps, checkpoint, resume to 6 (logged values with the evaluations, weights,
+    optimizer state), with the loss-gap signal reading the restored history."""
+    train = {"optim": "grokadamw", "learning_rate": 3e-3, "eval_strategy": "steps", "eval_steps": 2}
+    runs = assert_resume_is_exact(6, 3, tmp_path, plugins=["grokadamw"], train=train,
+                                  sections={"grokadamw": {"signals": ["loss_gap"]}},
+                                  eval_dataset=tiny_dataset(8, seed=1))
+    assert {state["step"] for state in runs.resumed.optimizer.state.values()} == {6}
+    assert runs.resumed.optimizer.param_groups[0]["grokking_signal_fns"]  # the signal was on
 
 
 # ---------------------------------------------------------------------------- training and Trainer
@@ -114,23 +109,14 @@ def test_loss_falls(tmp_path):
 
 
 def test_optimizer_matches_trainer(tmp_path):
-    from transformers import Trainer, TrainingArguments
-
+    """Trainer's class (ours subclasses it to keep its state), groups and hyper-parameters; the same
+    weights after two steps."""
     optim_args = "alpha_init=0.9,lamb=1.5,gamma=0.2,grokking_signal_decay_rate=0.3,gradient_clipping=0.5"
-    run = run_steps(1, plugins=["grokadamw"], output_dir=tmp_path, train={
-        "optim": "grokadamw", "optim_args": optim_args, "learning_rate": 3e-3, "weight_decay": 0.05})
-    args = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True, optim="grokadamw",
-                             optim_args=optim_args, learning_rate=3e-3, weight_decay=0.05)
-    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, run.model)
-    assert cls is grokadamw.GrokAdamW and isinstance(run.optimizer, cls)
-    reference = cls([{"params": g["params"], "weight_decay": g["weight_decay"]} for g in run.optimizer.param_groups],
-                     **kwargs)
-    assert run.optimizer.defaults == reference.defaults
-    for ours, theirs in zip(run.optimizer.param_groups, reference.param_groups):
-        assert {k: v for k, v in ours.items() if k not in ("params", "initial_lr", "state")} == \
-               {k: v for k, v in theirs.items() if k != "params"} | {"lr": ours["lr"]}
-        assert ours["params"] == theirs["params"]
-    assert [g["weight_decay"] for g in run.optimizer.param_groups] == [0.05, 0.0]
+    pair = assert_matches_trainer("grokadamw", tmp_path, plugins=["grokadamw"], optim_args=optim_args,
+                                  train={"learning_rate": 3e-3, "weight_decay": 0.05}, our_class=GrokAdamW,
+                                  ignore=("state",))  # where each keeps its per-parameter state
+    assert type(pair.theirs) is grokadamw.GrokAdamW
+    assert [g["weight_decay"] for g in pair.ours.param_groups] == [0.05, 0.0]
 
 
 # ---------------------------------------------------------------------------- signals

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import engine
-from engine import OptimArg, hookimpl
+from engine import OptimArg, OptimizerFamily, hookimpl
 
 __version__ = "0.1.0"
 
@@ -36,26 +36,9 @@ OPTIM_ARGS = {
 }
 
 
-def _fused_module(optim: str) -> Any:
-    """``engine_lomo.fused`` (imports lomo_optim), or a MissingDependencyError naming the extra."""
-    engine.require("lomo_optim", "lomo-optim", feature=f"train.optim = {optim!r}", extra=PLUGIN)
-    from . import fused
-
-    return fused
-
-
-def optim_kwargs(run: Any) -> dict[str, float]:
-    """``train.optim_args`` for the current name, checked."""
-    return engine.check_optim_args(run, OPTIM_ARGS[run.config.train.optim])
-
-
-@hookimpl
-def configure(run):
+def _check_fused(run: Any, args: dict[str, Any]) -> None:
+    """What an update inside backward cannot do: accumulation, fp16, per-group weight decay, several processes."""
     train = run.config.train
-    if train.optim not in NAMES:
-        return
-    _fused_module(train.optim)
-    optim_kwargs(run)
     fused = f"{train.optim} updates the weights inside backward"
     if train.gradient_accumulation_steps > 1:
         raise engine.ConfigError(
@@ -78,24 +61,37 @@ def configure(run):
             "choose another optimizer")
 
 
-def create_lomo(run: Any, params: Any) -> Any:
-    """Factory for ``lomo`` and ``adalomo``: the library class with the whole model, as Trainer does.
+def create_lomo(run: Any, params: Any, args: dict[str, Any]) -> Any:
+    """``lomo`` and ``adalomo``: the library class with the whole model, as Trainer does.
 
     ``params`` (the decay/no-decay groups) is not used: LOMO hooks the model's parameters itself.
     """
     if run.strategy.world_size > 1:
         raise engine.ConfigError(f"train.strategy: {run.config.train.optim} runs on one process only")
     train = run.config.train
-    fused = _fused_module(train.optim)
+    FAMILIES[train.optim].require(train.optim)
+    from . import fused  # imports lomo_optim
+
     cls = fused.AdaLomo if train.optim == "adalomo" else fused.Lomo
     clip = train.max_grad_norm if train.max_grad_norm > 0 else None
-    return cls(run.model, lr=train.learning_rate, clip_grad_norm=clip, **optim_kwargs(run))
+    return cls(run.model, lr=train.learning_rate, clip_grad_norm=clip, **args)
+
+
+FAMILIES = {optim: OptimizerFamily(PLUGIN, (optim,), create_lomo, library=("lomo_optim", "lomo-optim"),
+                                   optim_args=table, check=_check_fused)
+            for optim, table in OPTIM_ARGS.items()}
 
 
 @hookimpl
 def register_optimizers(register):
-    for optim in NAMES:
-        register(optim, create_lomo)
+    for family in FAMILIES.values():
+        family.register(register)
+
+
+@hookimpl
+def configure(run):
+    for family in FAMILIES.values():
+        family.configure(run)
 
 
 @hookimpl

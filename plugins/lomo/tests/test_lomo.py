@@ -13,7 +13,7 @@ from engine_lomo import fused
 import engine
 import engine.plugins
 from engine import hookimpl
-from engine.testing import run_steps, tiny_dataset, tiny_model
+from engine.testing import assert_matches_trainer, assert_resume_is_exact, run_steps, tiny_dataset, tiny_model
 
 
 def _losses(run):
@@ -118,27 +118,22 @@ def test_a_backward_outside_the_step_does_not_update(tmp_path):
 # ---------------------------------------------------------------------------- Trainer parity
 
 
+def _fused_step(model, optimizer, batch):
+    """One LOMO step as Trainer takes it: the update inside backward, at the optimizer's learning rate."""
+    optimizer.fused_backward(model(**batch).loss, optimizer.param_groups[0]["lr"])
+
+
 @pytest.mark.parametrize("optim", ["lomo", "adalomo"])
 def test_optimizer_matches_trainer(tmp_path, optim, cuda_free_library):
-    from transformers import Trainer, TrainingArguments
-
-    run = engine.Run({"plugins": ["lomo"], "train": {
-        "optim": optim, "learning_rate": 3e-3, "max_grad_norm": 0.0, "max_steps": 1,
-        "output_dir": str(tmp_path)}}, model=tiny_model(), train_dataset=tiny_dataset())
-    run.setup()
-    args = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True,
-                             optim=optim, learning_rate=3e-3)
-    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, tiny_model())
-    assert isinstance(run.optimizer, cls) and type(run.optimizer).__name__ == cls.__name__
-    reference = cls(kwargs.pop("model"), **kwargs)  # Trainer: optimizer_cls(model, lr=...)
-    assert run.optimizer.defaults == reference.defaults
-    for ours, theirs in zip(run.optimizer.param_groups, reference.param_groups):
-        assert {k: v for k, v in ours.items() if k not in ("params", "initial_lr")} == \
-               {k: v for k, v in theirs.items() if k != "params"}
-        assert len(ours["params"]) == len(theirs["params"])
+    """Trainer's class (ours subclasses it), groups and hyper-parameters; the same weights after two fused steps."""
+    pair = assert_matches_trainer(optim, tmp_path, plugins=["lomo"],
+                                  train={"learning_rate": 3e-3, "max_grad_norm": 0.0},
+                                  our_class=getattr(fused, "AdaLomo" if optim == "adalomo" else "Lomo"),
+                                  step=_fused_step)
+    assert type(pair.ours).__name__ == type(pair.theirs).__name__
     for attribute in ("lr", "weight_decay", "clip_grad_norm", "clip_grad_value", "loss_scale", "eps",
                       "clip_threshold", "decay_rate"):
-        assert getattr(run.optimizer, attribute, None) == getattr(reference, attribute, None)
+        assert getattr(pair.ours, attribute, None) == getattr(pair.theirs, attribute, None)
 
 
 def test_clipping_and_optim_args_reach_the_library(tmp_path):
@@ -157,14 +152,10 @@ def test_clipping_and_optim_args_reach_the_library(tmp_path):
 
 @pytest.mark.parametrize("optim", ["lomo", "adalomo"])
 def test_resume_gives_the_uninterrupted_run(tmp_path, optim):
-    train = {"optim": optim, "learning_rate": 0.1, "save_strategy": "steps", "save_steps": 3}
-    full = run_steps(6, plugins=["lomo"], output_dir=tmp_path / "full", train=train)
-    resumed = run_steps(6, plugins=["lomo"], output_dir=tmp_path / "resumed", model=tiny_model(seed=1),
-                        train={**train, "resume_from_checkpoint": str(tmp_path / "full" / "checkpoint-3")})
-    assert _losses(resumed)[-3:] == _losses(full)[-3:]
-    for name, value in _params(full.model).items():
-        assert torch.equal(value, dict(resumed.model.named_parameters())[name]), name
-    if optim == "adalomo":
+    """6 steps straight == 3 steps, checkpoint, resume to 6: logged values, weights, optimizer state."""
+    runs = assert_resume_is_exact(6, 3, tmp_path, plugins=["lomo"], train={"optim": optim, "learning_rate": 0.1})
+    full, resumed = runs.straight, runs.resumed
+    if optim == "adalomo":  # its second moments and step count are in the state the helper compared
         assert resumed.optimizer.step_num == full.optimizer.step_num == 6
         for key in fused._ADALOMO_STATE:
             for name, tensor in getattr(full.optimizer, key).items():

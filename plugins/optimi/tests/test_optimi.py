@@ -3,7 +3,6 @@ resumes exactly from engine checkpoints. Real torch-optimi, real transformers; n
 
 from __future__ import annotations
 
-import copy
 import logging
 import sys
 
@@ -14,8 +13,7 @@ from optimi import StableAdamW
 
 import engine
 import engine.plugins
-from engine import hookimpl
-from engine.testing import run_steps, tiny_dataset, tiny_model
+from engine.testing import assert_matches_trainer, assert_resume_is_exact, tiny_dataset, tiny_model
 
 # Non-default values everywhere, so a value taken from the wrong place shows.
 TRAIN = {"learning_rate": 3e-3, "weight_decay": 0.1, "adam_beta1": 0.8, "adam_beta2": 0.95, "adam_epsilon": 1e-6}
@@ -28,21 +26,6 @@ def _config(tmp_path, **train):
 
 def _losses(run):
     return [h["loss"] for h in run.state.log_history if "loss" in h]
-
-
-def _assert_same(a, b, path="state"):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for key in a:
-            _assert_same(a[key], b[key], f"{path}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
 
 
 def test_plugin_is_installed(tmp_path):
@@ -63,32 +46,16 @@ def test_catalogue_names_the_plugin():
 # ---------------------------------------------------------------------------- training and resume
 
 
-class Capture:
-    """Records the optimizer state at train start (after a resume restored it)."""
-
-    name = "capture"
-
-    @hookimpl
-    def on_train_start(self, run):
-        self.restored = copy.deepcopy(run.optimizer.state_dict())  # state_dict() shares the tensors
-
-
 @pytest.fixture(scope="module", params=[None, "decouple_lr=true,max_lr=0.02"])
 def trained(request, tmp_path_factory):
-    """7 steps with a checkpoint at step 4, and a run resumed from it (shared by the tests below)."""
-    out = tmp_path_factory.mktemp("stable_adamw")
+    """7 steps with a checkpoint at step 4, and a run resumed from it that ends the same
+    (``assert_resume_is_exact``: restored state, logged values, weights, optimizer state)."""
     train = {"optim": "stable_adamw", "optim_args": request.param, "weight_decay": 1e-4, "save_final_model": False}
-    straight = run_steps(7, plugins=["optimi"], objects=[Capture()], output_dir=out / "straight",
-                         train={**train, "save_strategy": "steps", "save_steps": 4})
-    capture = Capture()
-    checkpoint = out / "straight" / "checkpoint-4"
-    resumed = run_steps(7, plugins=["optimi"], objects=[capture], output_dir=out / "resumed", model=tiny_model(seed=1),
-                        train={**train, "resume_from_checkpoint": str(checkpoint)})
-    return straight, resumed, capture, checkpoint
+    return assert_resume_is_exact(7, 4, tmp_path_factory.mktemp("stable_adamw"), plugins=["optimi"], train=train)
 
 
 def test_trains_on_cpu_and_loss_falls(trained):
-    run, _, _, _ = trained
+    run = trained.straight
     assert type(run.optimizer) is StableAdamW and run.state.global_step == 7
     losses = _losses(run)
     assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.1, losses
@@ -99,63 +66,29 @@ def test_trains_on_cpu_and_loss_falls(trained):
 
 
 def test_resume_restores_state_and_steps_identically(trained):
-    straight, resumed, capture, checkpoint = trained
-    saved = torch.load(checkpoint / "optimizer.pt", weights_only=True)  # what the engine loads
-    assert [g["step"].item() for g in saved["param_groups"]] == [4, 4]
-    _assert_same(capture.restored, saved)  # the group step counters come back too
-    assert resumed.state.global_step == 7
-    assert _losses(resumed)[-3:] == _losses(straight)[-3:]
-    for (n, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
-        torch.testing.assert_close(q, p, rtol=0, atol=0, msg=n)
-    _assert_same(resumed.optimizer.state_dict(), straight.optimizer.state_dict())
+    saved = torch.load(trained.checkpoint / "optimizer.pt", weights_only=True)  # what the engine loads
+    assert [g["step"].item() for g in saved["param_groups"]] == [4, 4]  # restored too (the fixture checked)
+    assert trained.resumed.optimizer.param_groups[0]["step"].item() == 7
 
 
 # ---------------------------------------------------------------------------- equals transformers
 
 
-def _batch():
-    rows = torch.stack([tiny_dataset()[i]["input_ids"] for i in range(4)])
-    return {"input_ids": rows, "labels": rows}
-
-
-@pytest.mark.parametrize("optim_args", [None, "decouple_lr=true,max_lr=0.01,kahan_sum=true", "kahan_sum=true"])
-def test_equals_transformers_trainer_optimizer(optim_args, tmp_path):
-    from transformers import Trainer, TrainingArguments
-
-    run = engine.Run(_config(tmp_path, optim_args=optim_args, **TRAIN), model=tiny_model(),
-                     train_dataset=tiny_dataset())
-    run.setup()
-    ours = run.optimizer
-    args = TrainingArguments(output_dir=str(tmp_path / "hf"), optim="stable_adamw", optim_args=optim_args,
-                             report_to=[], use_cpu=True, **TRAIN)
-    trainer = Trainer(model=tiny_model(), args=args)
-    theirs = trainer.create_optimizer()
+def _without_triton(theirs):
     # on the CPU with triton installed, optimi would pick Triton for Trainer's optimizer too (it decides
     # before looking at the parameters); the plugin turns that off, so do the same for the reference
     theirs.defaults["triton"] = False
     for group in theirs.param_groups:
         group["triton"] = False
 
-    assert type(ours) is type(theirs) is StableAdamW
-    assert ours.defaults == theirs.defaults
-    our_names = {id(p): n for n, p in run.model.named_parameters()}
-    their_names = {id(p): n for n, p in trainer.model.named_parameters()}
-    assert len(ours.param_groups) == len(theirs.param_groups) == 2
-    for mine, hf in zip(ours.param_groups, theirs.param_groups):
-        assert [our_names[id(p)] for p in mine["params"]] == [their_names[id(p)] for p in hf["params"]]
-        assert mine.pop("initial_lr") == hf["lr"]  # initial_lr: our scheduler's
-        assert {k: v for k, v in mine.items() if k != "params"} == {k: v for k, v in hf.items() if k != "params"}
-    assert [g["weight_decay"] for g in ours.param_groups] == [0.1, 0.0]
 
-    # same gradients -> same update and state
-    for model, optimizer in ((run.model, ours), (trainer.model, theirs)):
-        for _ in range(2):
-            model(**_batch()).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-    for (n, p), q in zip(run.model.named_parameters(), trainer.model.parameters()):
-        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=n)
-    _assert_same(ours.state_dict(), theirs.state_dict())
+@pytest.mark.parametrize("optim_args", [None, "decouple_lr=true,max_lr=0.01,kahan_sum=true", "kahan_sum=true"])
+def test_equals_transformers_trainer_optimizer(optim_args, tmp_path):
+    """Same class, groups, hyper-parameters; the same weights and state after two steps."""
+    pair = assert_matches_trainer("stable_adamw", tmp_path, plugins=["optimi"], train=TRAIN, optim_args=optim_args,
+                                  atol=0, compare_state=True, adjust_reference=_without_triton)
+    assert type(pair.ours) is StableAdamW
+    assert [g["weight_decay"] for g in pair.ours.param_groups] == [0.1, 0.0]
 
 
 def test_false_means_false(tmp_path):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import engine
-from engine import OptimArg, hookimpl
+from engine import OptimArg, OptimizerFamily, hookimpl
 
 __version__ = "0.1.0"
 
@@ -52,18 +52,12 @@ def plugin_options():
     return ScheduleFreeOptions
 
 
-def _library() -> Any:
-    schedulefree = engine.require("schedulefree", "schedulefree", feature="the schedule_free_* optimizers",
-                                  extra=PLUGIN)
+def _library(optim: str) -> Any:
+    schedulefree = FAMILY.require(optim)
     if not hasattr(schedulefree, "RAdamScheduleFree"):
         raise engine.MissingDependencyError(
             "train.optim: schedulefree >= 1.4 is needed (RAdamScheduleFree): pip install -U 'engine[schedulefree]'")
     return schedulefree
-
-
-def optim_kwargs(run: Any) -> dict[str, float]:
-    """``weight_lr_power`` and ``r``: Trainer's defaults updated by ``train.optim_args``."""
-    return engine.check_optim_args(run, OPTIM_ARGS)
 
 
 def constant_schedule(run: Any) -> str | None:
@@ -77,13 +71,9 @@ def constant_schedule(run: Any) -> str | None:
     return None if train.lr_scheduler_type == target else target
 
 
-@hookimpl
-def configure(run):
+def _check(run: Any, args: dict[str, Any]) -> None:
     train = run.config.train
-    if train.optim not in NAMES:
-        return
-    _library()
-    optim_kwargs(run)
+    _library(train.optim)
     target = constant_schedule(run)
     if target is not None:
         logger.warning(
@@ -94,8 +84,9 @@ def configure(run):
             else "", target, train.lr_scheduler_type)
 
 
-def create_schedule_free(run: Any, params: list[dict[str, Any]]) -> Any:
-    """Factory: the class and keyword arguments Trainer uses, with ``params`` (decay/no-decay groups).
+def create_schedule_free(run: Any, params: list[dict[str, Any]], args: dict[str, Any]) -> Any:
+    """The class and keyword arguments Trainer uses, with ``params`` (decay/no-decay groups) and
+    ``args`` (``weight_lr_power`` and ``r``: Trainer's defaults updated by ``train.optim_args``).
 
     Warmup is ``run.num_warmup_steps`` (``warmup_steps``, else ``warmup_ratio`` of the run).
     """
@@ -106,13 +97,21 @@ def create_schedule_free(run: Any, params: list[dict[str, Any]]) -> Any:
         kwargs.update(betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_epsilon)
     if has_warmup:
         kwargs["warmup_steps"] = run.num_warmup_steps
-    return getattr(_library(), class_name)(params, **kwargs, **optim_kwargs(run))
+    return getattr(_library(train.optim), class_name)(params, **kwargs, **args)
+
+
+FAMILY = OptimizerFamily(PLUGIN, tuple(NAMES), create_schedule_free, library=("schedulefree", "schedulefree"),
+                         optim_args=OPTIM_ARGS, reads=("learning_rate", "weight_decay"), check=_check)
 
 
 @hookimpl
 def register_optimizers(register):
-    for optim in NAMES:
-        register(optim, create_schedule_free)
+    FAMILY.register(register)
+
+
+@hookimpl
+def configure(run):
+    FAMILY.configure(run)
 
 
 @hookimpl

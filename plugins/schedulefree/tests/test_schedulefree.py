@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 import engine
 import engine.plugins
-from engine.testing import run_steps, tiny_dataset, tiny_model
+from engine.testing import assert_matches_trainer, assert_resume_is_exact, run_steps, tiny_dataset
 
 NAMES = {"schedule_free_adamw": schedulefree.AdamWScheduleFree, "schedule_free_sgd": schedulefree.SGDScheduleFree,
          "schedule_free_radam": schedulefree.RAdamScheduleFree}
@@ -85,24 +85,14 @@ def test_loss_falls(tmp_path, optim, lr):
 
 @pytest.mark.parametrize("optim", NAMES)
 def test_optimizer_matches_trainer(tmp_path, optim):
-    from transformers import Trainer, TrainingArguments
-
-    train = {"optim": optim, "optim_args": "weight_lr_power=1.5,r=0.5", "learning_rate": 3e-3,
-             "weight_decay": 0.05, "warmup_steps": 3, "adam_beta1": 0.8, "adam_epsilon": 1e-6}
-    run = run_steps(1, plugins=["schedulefree"], output_dir=tmp_path, train=train)
-    args = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", use_cpu=True, **train)
-    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, run.model)
-    assert type(run.optimizer) is cls is NAMES[optim]
-    reference = cls([{"params": g["params"], "weight_decay": g["weight_decay"]} for g in run.optimizer.param_groups],
-                    **kwargs)
-    assert run.optimizer.defaults == reference.defaults
-    for ours, theirs in zip(run.optimizer.param_groups, reference.param_groups):
-        mutable = ("params", "lr", "initial_lr", "k", "train_mode", "weight_sum", "lr_max", "scheduled_lr")
-        assert {k: v for k, v in ours.items() if k not in mutable} == \
-               {k: v for k, v in theirs.items() if k not in mutable}
-        assert ours["initial_lr"] == theirs["lr"] == 3e-3  # ours["lr"] is the schedule's current value
-        assert ours["params"] == theirs["params"]
-    assert [g["weight_decay"] for g in run.optimizer.param_groups] == [0.05, 0.0]
+    """Trainer's class, groups and hyper-parameters (warmup_steps in the optimizer); the same weights
+    after six steps in train mode (RAdam makes no update before its fifth)."""
+    train = {"learning_rate": 3e-3, "weight_decay": 0.05, "warmup_steps": 3, "adam_beta1": 0.8, "adam_epsilon": 1e-6}
+    pair = assert_matches_trainer(optim, tmp_path, plugins=["schedulefree"], train=train,
+                                  optim_args="weight_lr_power=1.5,r=0.5", steps=6)
+    assert type(pair.ours) is NAMES[optim]
+    assert [g["weight_decay"] for g in pair.ours.param_groups] == [0.05, 0.0]
+    assert all(g["initial_lr"] == 3e-3 for g in pair.ours.param_groups)
 
 
 # ---------------------------------------------------------------------------- train/eval modes
@@ -139,9 +129,11 @@ def test_mode_switches_at_every_boundary(tmp_path):
 def test_checkpoint_holds_the_eval_mode_weights_and_resume_is_exact(tmp_path):
     train = {"learning_rate": 1e-2, "save_strategy": "steps", "save_steps": 3, "eval_strategy": "steps",
              "eval_steps": 2}
-    full = _sf("schedule_free_adamw", 6, tmp_path / "full", **train)
-    saved = load_file(str(tmp_path / "full" / "checkpoint-3" / "model.safetensors"))
-    optimizer_state = torch.load(tmp_path / "full" / "checkpoint-3" / "optimizer.pt", weights_only=True)
+    # 6 steps straight == 3 steps, checkpoint, resume to 6: logged values (eval losses too), weights, state
+    runs = assert_resume_is_exact(6, 3, tmp_path / "resume", plugins=["schedulefree"], eval_dataset=EVAL,
+                                  train={"optim": "schedule_free_adamw", "lr_scheduler_type": "constant", **train})
+    saved = load_file(str(runs.checkpoint / "model.safetensors"))
+    optimizer_state = torch.load(runs.checkpoint / "optimizer.pt", weights_only=True)
     assert all(g["train_mode"] is False and g["k"] == 3 for g in optimizer_state["param_groups"])
 
     # the step-3 weights in eval mode (x) and in train mode (y), from a run that stops at step 3
@@ -151,16 +143,7 @@ def test_checkpoint_holds_the_eval_mode_weights_and_resume_is_exact(tmp_path):
     y = _params(short.model)
     assert _max_diff({n: saved[n] for n in x}, x) < 1e-6  # the checkpoint holds x ...
     assert _max_diff({n: saved[n] for n in y}, y) > 1e-4  # ... not y
-
-    resumed = run_steps(6, plugins=["schedulefree"], output_dir=tmp_path / "resumed", model=tiny_model(seed=1),
-                        eval_dataset=EVAL, train={"optim": "schedule_free_adamw", "lr_scheduler_type": "constant",
-                                                  **train, "resume_from_checkpoint": str(tmp_path / "full" / "checkpoint-3")})
-    assert _losses(resumed)[-3:] == _losses(full)[-3:]
-    assert [h["eval_loss"] for h in resumed.state.log_history if "eval_loss" in h][-2:] == \
-           [h["eval_loss"] for h in full.state.log_history if "eval_loss" in h][-2:]
-    for name, value in _params(full.model).items():
-        assert torch.equal(value, dict(resumed.model.named_parameters())[name]), name
-    assert resumed.optimizer.param_groups[0]["k"] == 6
+    assert runs.resumed.optimizer.param_groups[0]["k"] == 6
 
 
 # ---------------------------------------------------------------------------- the lr schedule

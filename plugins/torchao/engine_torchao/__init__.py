@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 import engine
-from engine import OptimArg, hookimpl
+from engine import OptimArg, OptimizerFamily, hookimpl
 
 __version__ = "0.1.0"
 
@@ -40,32 +40,17 @@ OPTIM_ARGS = {  # Trainer's keys and defaults (block_size 256 for both names)
     "block_size": OptimArg(int, 256, "int >= 1", lambda v: v >= 1),
     "bf16_stochastic_round": OptimArg(bool, False, expect="true or false"),
 }
-_ELSEWHERE = {
-    "lr": "set train.learning_rate",
-    "learning_rate": "set train.learning_rate",
-    "weight_decay": "set train.weight_decay (applied per parameter group, none on biases and norms)",
-    "betas": "set train.adam_beta1 / train.adam_beta2",
-    "beta1": "set train.adam_beta1",
-    "beta2": "set train.adam_beta2",
-    "eps": "set train.adam_epsilon",
-    "amsgrad": "Trainer does not pass amsgrad for these names; use adamw_torch with optim_args 'amsgrad=true'",
-}
 
 
 def _optim_module(optim: str) -> Any:
     """``torchao.optim``, or MissingDependencyError naming the extra (too old: ``pip install -U``)."""
-    engine.require("torchao", "torchao", feature=f"train.optim = {optim!r}", extra=PLUGIN)
+    FAMILY.require(optim)
     try:
         return importlib.import_module("torchao.optim")
     except ImportError as exc:
         raise engine.MissingDependencyError(
             f"train.optim = {optim!r}: torchao >= {MIN_TORCHAO} is needed (torchao.optim; found torchao "
             f"{importlib.metadata.version('torchao')}: {exc}): pip install -U 'engine[{PLUGIN}]'") from exc
-
-
-def optim_kwargs(run: Any) -> dict[str, Any]:
-    """``block_size`` and ``bf16_stochastic_round``: Trainer's defaults updated by ``train.optim_args``."""
-    return engine.check_optim_args(run, OPTIM_ARGS, elsewhere=_ELSEWHERE)
 
 
 def _cpu_compiler_missing() -> str | None:
@@ -82,13 +67,9 @@ def _cpu_compiler_missing() -> str | None:
     return None
 
 
-@hookimpl
-def configure(run):
+def _check(run: Any, args: dict[str, Any]) -> None:
     train = run.config.train
-    if train.optim not in NAMES:
-        return
     _optim_module(train.optim)
-    optim_kwargs(run)
     if train.use_cpu or not torch.cuda.is_available():
         missing = _cpu_compiler_missing()
         if missing is not None:
@@ -98,26 +79,36 @@ def configure(run):
                 "adamw_torch / adamw_8bit (engine[bnb]) on the CPU")
 
 
-def create_low_bit_adamw(run: Any, params: list[dict[str, Any]]) -> torch.optim.Optimizer:
-    """Factory: ``AdamW4bit`` / ``AdamW8bit`` with Trainer's arguments over ``params`` (decay/no-decay groups)."""
+def create_low_bit_adamw(run: Any, params: list[dict[str, Any]], args: dict[str, Any]) -> torch.optim.Optimizer:
+    """``AdamW4bit`` / ``AdamW8bit`` with Trainer's arguments over ``params`` (decay/no-decay groups);
+    ``args``: ``block_size`` and ``bf16_stochastic_round``, Trainer's defaults updated by optim_args."""
     train = run.config.train
-    kwargs = optim_kwargs(run)
     optimizer = getattr(_optim_module(train.optim), NAMES[train.optim])(
         params, lr=train.learning_rate, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_epsilon,
-        **kwargs)
+        **args)
     tensors = [p for group in params for p in group["params"]]
-    block = kwargs["block_size"]
+    block = args["block_size"]
     if not any(p.numel() >= MIN_NUMEL and p.numel() % block == 0 for p in tensors):
         logger.warning("%s: no parameter has >= %d elements divisible by block_size %d, so every tensor keeps "
                        "32-bit Adam state (no memory saved)", train.optim, MIN_NUMEL, block)
-    if kwargs["bf16_stochastic_round"] and not any(p.dtype == torch.bfloat16 for p in tensors):
+    if args["bf16_stochastic_round"] and not any(p.dtype == torch.bfloat16 for p in tensors):
         logger.warning("%s: bf16_stochastic_round applies to bfloat16 parameters only; these are %s "
                        "(train.bf16 autocasts, it does not store the weights in bfloat16)", train.optim,
                        ", ".join(sorted({str(p.dtype).removeprefix("torch.") for p in tensors})))
     return optimizer
 
 
+FAMILY = OptimizerFamily(
+    PLUGIN, tuple(NAMES), create_low_bit_adamw, library=("torchao", "torchao"), optim_args=OPTIM_ARGS,
+    reads=("learning_rate", "weight_decay", "adam"), check=_check,
+    elsewhere={"amsgrad": "Trainer does not pass amsgrad for these names"})
+
+
 @hookimpl
 def register_optimizers(register):
-    for optim in NAMES:
-        register(optim, create_low_bit_adamw)
+    FAMILY.register(register)
+
+
+@hookimpl
+def configure(run):
+    FAMILY.configure(run)

@@ -19,8 +19,9 @@ from torchao.optim.subclass_8bit import OptimState8bit
 
 import engine
 import engine.plugins
-from engine import hookimpl
-from engine.testing import run_steps, tiny_dataset, tiny_model
+from engine.testing import assert_matches_trainer, assert_resume_is_exact, tiny_dataset, tiny_model
+
+MODEL = {"num_hidden_layers": 1}  # 12 tensors: each step calls the compiled update once per tensor
 
 NAMES = {"adamw_torch_4bit": (AdamW4bit, OptimState4bit), "adamw_torch_8bit": (AdamW8bit, OptimState8bit)}
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"  # 4096 elements: quantized state
@@ -30,7 +31,7 @@ TRAIN = {"learning_rate": 3e-3, "weight_decay": 0.1, "adam_beta1": 0.8, "adam_be
 
 
 def _model():
-    return tiny_model(num_hidden_layers=1)  # 12 tensors: each step calls the compiled update once per tensor
+    return tiny_model(**MODEL)
 
 
 def _config(optim, tmp_path, **train):
@@ -40,36 +41,6 @@ def _config(optim, tmp_path, **train):
 
 def _losses(run):
     return [h["loss"] for h in run.state.log_history if "loss" in h]
-
-
-def _plain(value):
-    """A state value as plain data (a copy): torchao's quantized tensors, which cannot be deep-copied,
-    become (type, codes, scale, qmap, signed, shape)."""
-    if isinstance(value, (OptimState4bit, OptimState8bit)):
-        return (type(value).__name__, *_plain((value.codes, value.scale, value.qmap)), value.signed, tuple(value.shape))
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {key: _plain(v) for key, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_plain(v) for v in value)
-    return value
-
-
-def _assert_same(a, b, path="state"):
-    a, b = _plain(a), _plain(b)
-    if isinstance(a, torch.Tensor):
-        assert type(b) is torch.Tensor and a.dtype == b.dtype and torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for key in a:
-            _assert_same(a[key], b[key], f"{path}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
 
 
 def test_plugin_is_installed(tmp_path):
@@ -91,36 +62,20 @@ def test_catalogue_names_the_plugin():
 # ---------------------------------------------------------------------------- training and resume
 
 
-class Capture:
-    """Records the optimizer state at train start (after a resume restored it)."""
-
-    name = "capture"
-
-    @hookimpl
-    def on_train_start(self, run):
-        self.restored = _plain(run.optimizer.state_dict())  # state_dict() shares the tensors
-
-
 @pytest.fixture(scope="module", params=list(NAMES))
 def trained(request, tmp_path_factory):
-    """6 steps with a checkpoint at step 3, and a run resumed from it (shared by the tests below)."""
+    """6 steps with a checkpoint at step 3, and a run resumed from it that ends the same
+    (``assert_resume_is_exact``: restored quantized state, logged values, weights, optimizer state)."""
     name = request.param
-    out = tmp_path_factory.mktemp(name)
     # TRAIN's betas, eps and weight decay: torch.compile specializes on them, so the test against
     # Trainer below reuses these compiled kernels (lr is a tensor: any value shares them)
     train = {**TRAIN, "optim": name, "learning_rate": 1e-2, "save_final_model": False, "lr_scheduler_type": "linear"}
-    straight = run_steps(6, plugins=["torchao"], objects=[Capture()], output_dir=out / "straight", model=_model(),
-                         train={**train, "save_strategy": "steps", "save_steps": 3})
-    capture = Capture()
-    checkpoint = out / "straight" / "checkpoint-3"
-    resumed = run_steps(6, plugins=["torchao"], objects=[capture], output_dir=out / "resumed",
-                        model=tiny_model(num_hidden_layers=1, seed=1),
-                        train={**train, "resume_from_checkpoint": str(checkpoint)})
-    return straight, resumed, capture, checkpoint
+    return assert_resume_is_exact(6, 3, tmp_path_factory.mktemp(name), plugins=["torchao"], train=train,
+                                  model_config=MODEL)
 
 
 def test_trains_on_cpu_and_loss_falls(trained):
-    run, _, _, _ = trained
+    run = trained.straight
     cls, quantized = NAMES[run.config.train.optim]
     assert type(run.optimizer) is cls and run.state.global_step == 6
     losses = _losses(run)
@@ -139,63 +94,34 @@ def test_trains_on_cpu_and_loss_falls(trained):
 
 
 def test_resume_restores_quantized_state_and_steps_identically(trained):
-    straight, resumed, capture, checkpoint = trained
+    straight = trained.straight
     _, quantized = NAMES[straight.config.train.optim]
-    saved = torch.load(checkpoint / "optimizer.pt", weights_only=True)  # what the engine loads
+    saved = torch.load(trained.checkpoint / "optimizer.pt", weights_only=True)  # what the engine loads
     order = [id(p) for g in straight.optimizer.param_groups for p in g["params"]]
     head = order.index(id(straight.model.lm_head.weight))
     assert type(saved["state"][head]["exp_avg"]) is quantized  # torchao's subclasses load with weights_only
-    _assert_same(capture.restored, saved)  # restored as saved: same quantized codes, scales, steps, lr
-    assert resumed.state.global_step == 6
-    assert _losses(resumed)[-3:] == _losses(straight)[-3:]
-    for (n, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
-        torch.testing.assert_close(q, p, rtol=0, atol=0, msg=n)
-    _assert_same(resumed.optimizer.state_dict(), straight.optimizer.state_dict())
+    # restored as saved (same quantized codes, scales, steps, lr): checked by the fixture
+    assert type(trained.restored["state"][head]["exp_avg"]) is quantized
+    assert trained.resumed.state.global_step == 6
 
 
 # ---------------------------------------------------------------------------- equals transformers
 
 
-def _batch():
-    rows = torch.stack([tiny_dataset()[i]["input_ids"] for i in range(4)])
-    return {"input_ids": rows, "labels": rows}
-
-
 @pytest.mark.parametrize("name, optim_args", [("adamw_torch_4bit", "bf16_stochastic_round=true"),
                                               ("adamw_torch_8bit", None)])
 def test_equals_transformers_trainer_optimizer(name, optim_args, tmp_path):
-    from transformers import Trainer, TrainingArguments
-
-    run = engine.Run(_config(name, tmp_path, optim_args=optim_args, **TRAIN), model=_model(),
-                     train_dataset=tiny_dataset())
-    run.setup()
-    ours = run.optimizer
-    args = TrainingArguments(output_dir=str(tmp_path / "hf"), optim=name, optim_args=optim_args, report_to=[],
-                             use_cpu=True, **TRAIN)
-    trainer = Trainer(model=_model(), args=args)
-    theirs = trainer.create_optimizer()
-
-    assert type(ours) is type(theirs) is NAMES[name][0]
+    """Same class, groups and hyper-parameters (the lr a tensor); after a step the same weights and
+    the same quantized state."""
+    pair = assert_matches_trainer(name, tmp_path, plugins=["torchao"], train=TRAIN, optim_args=optim_args,
+                                  model_config=MODEL, steps=1, atol=0, compare_state=True)
+    ours, theirs = pair.ours, pair.theirs
+    assert type(ours) is NAMES[name][0]
     assert (ours.block_size, ours.bf16_stochastic_round, ours.is_adamw) == \
            (theirs.block_size, theirs.bf16_stochastic_round, theirs.is_adamw) == (256, optim_args is not None, True)
-    our_names = {id(p): n for n, p in run.model.named_parameters()}
-    their_names = {id(p): n for n, p in trainer.model.named_parameters()}
-    assert len(ours.param_groups) == len(theirs.param_groups) == 2
-    for mine, hf in zip(ours.param_groups, theirs.param_groups):
-        assert [our_names[id(p)] for p in mine["params"]] == [their_names[id(p)] for p in hf["params"]]
-        assert mine.pop("initial_lr").item() == hf["lr"].item() == pytest.approx(3e-3)  # our scheduler's
-        assert mine["lr"].item() == hf["lr"].item()
-        skip = ("params", "lr")
-        assert {k: v for k, v in mine.items() if k not in skip} == {k: v for k, v in hf.items() if k not in skip}
+    assert all(isinstance(g["lr"], torch.Tensor) and g["initial_lr"].item() == pytest.approx(3e-3)
+               for g in ours.param_groups)
     assert [g["weight_decay"] for g in ours.param_groups] == [0.1, 0.0]
-
-    # same gradients -> same update and the same quantized state
-    for model, optimizer in ((run.model, ours), (trainer.model, theirs)):
-        model(**_batch()).loss.backward()
-        optimizer.step()
-    for (n, p), q in zip(run.model.named_parameters(), trainer.model.parameters()):
-        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=n)
-    _assert_same(ours.state_dict()["state"], theirs.state_dict()["state"])
 
 
 def test_block_size_is_passed_as_a_number(tmp_path):
