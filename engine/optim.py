@@ -203,7 +203,8 @@ class OptimizerFamily:
     The plugin states what differs; the family registers the names and makes the configure-time
     checks every optimizer plugin needs:
 
-    * ``plugin``: the entry-point name, also the pip extra that installs ``library``;
+    * ``plugin``: the entry-point name (for a first-party plugin also the engine extra that
+      installs ``library``; a third party's missing library names its pip package);
     * ``names``: the ``train.optim`` names (Trainer's);
     * ``build(run, params, args)``: the optimizer; ``params`` are :func:`param_groups` (the
       decay / no-decay split), ``args`` the checked ``train.optim_args`` (:meth:`args`);
@@ -282,5 +283,9 @@ class OptimizerFamily:
         """The ``library`` module, or a MissingDependencyError naming ``optim`` and the extra to install."""
         if self.library is None:
             return None
+        from .catalogue import FIRST_PARTY
+
         module, package = self.library
-        return require(module, package, feature=f"train.optim = {optim!r}", extra=self.plugin)
+        # a first-party family installs through the engine's extra; a third party's names its package
+        return require(module, package, feature=f"train.optim = {optim!r}",
+                       extra=self.plugin if self.plugin in FIRST_PARTY else None)

@@ -361,3 +361,27 @@ def test_a_plugin_hook_that_raises_is_one_line_naming_the_plugin(entry_point_plu
                    "(engine_test_flaky.py, line 7); --traceback shows where"]
     with pytest.raises(ZeroDivisionError):  # with --traceback, the exception itself
         main([*argv, "--traceback", "--set", "train.overwrite_output_dir=true"])
+
+
+@pytest.mark.parametrize("plugin, install", [("bnb", "pip install 'engine[bnb]'"),
+                                             ("thirdparty", "pip install not-here-lib")])
+def test_an_optimizer_family_without_its_library_names_what_to_install(plugin, install):
+    from engine import OptimizerFamily
+    from engine.errors import MissingDependencyError
+
+    family = OptimizerFamily(plugin, ("not_here_adamw",), lambda run, params, args: None,
+                             library=("not_here_xyz", "not-here-lib"))
+
+    class Family:
+        @hookimpl
+        def register_optimizers(self, register):
+            family.register(register)
+
+        @hookimpl
+        def configure(self, run):
+            family.configure(run)
+
+    with pytest.raises(MissingDependencyError) as err:
+        Run({"train": {"optim": "not_here_adamw"}}, plugins={plugin: Family()})
+    assert str(err.value) == ("package 'not-here-lib' is needed for train.optim = 'not_here_adamw' (missing module "
+                              f"'not_here_xyz'): {install}")
