@@ -153,3 +153,17 @@ def test_the_check_example_is_what_the_check_prints(tmp_path):
                             cwd=tmp_path, capture_output=True, text=True)
     assert result.returncode == 1
     assert result.stdout == shown.split("\n", 1)[1]
+
+
+def test_the_optimizer_family_example_registers_checks_and_builds(tmp_path):
+    module = _import(tmp_path, "adams", _block("python", "### Optimizer families"))
+    run = run_steps(2, objects=[module], output_dir=tmp_path / "run", train={"optim": "radam", "adam_beta2": 0.95,
+                                                                           "optim_args": "decoupled_weight_decay=true"})
+    assert type(run.optimizer) is torch.optim.RAdam and run.registries["optimizer"].get("radam").plugin == "adams"
+    group = run.optimizer.param_groups[0]
+    assert group["betas"] == (0.9, 0.95) and group["decoupled_weight_decay"] is True
+    from engine import Run
+
+    with pytest.raises(ConfigError, match=r"^train.optim_args: nadam takes decoupled_weight_decay; got 'lr'; set "
+                                          r"train.learning_rate$"):
+        Run({"train": {"optim": "nadam", "optim_args": "lr=0.1"}}, plugins=[module])
