@@ -34,8 +34,12 @@ BUILT_AGAINST_TORCH = {"deepspeed": {"DS_BUILD_OPS": "0"}}  # no ops compiled no
 
 def plugin_projects() -> dict[str, Path]:
     """Every plugin folder (one distribution each) by its name."""
-    return {folder.name: folder for parent in PLUGIN_FOLDERS
-            for folder in sorted((ROOT / parent).glob("*/")) if (folder / "pyproject.toml").is_file()}
+    projects: dict[str, Path] = {}
+    for folder in sorted(path.parent for parent in PLUGIN_FOLDERS for path in (ROOT / parent).glob("*/pyproject.toml")):
+        if folder.name in projects:
+            raise SystemExit(f"wheelhouse: error: two plugin folders named {folder.name}: {projects[folder.name]}, {folder}")
+        projects[folder.name] = folder
+    return projects
 
 
 def project_metadata(folder: Path) -> dict:
@@ -69,16 +73,11 @@ def pip(*args: str | Path, env: dict[str, str] | None = None) -> None:
     subprocess.run([sys.executable, "-m", "pip", *map(str, args)], check=True, env=env)
 
 
-def build(out: Path, plugins: list[str], constraints: list[Path]) -> list[Path]:
-    """Fill ``out`` with wheels of engine, ``plugins`` (default: all) and all their dependencies;
-    returns the wheels in ``out``. Earlier wheels of engine and the plugins are replaced, other
-    wheels already there are kept (pip installs the newest that fits)."""
-    available = plugin_projects()
-    unknown = sorted(set(plugins) - set(available))
-    if unknown:
-        raise SystemExit(f"wheelhouse: error: no plugin folder {', '.join(unknown)}; "
-                         f"available: {', '.join(available)}")
-    projects = [ROOT] + [available[name] for name in (plugins or available)]
+def build(out: Path, plugins: list[Path], constraints: list[Path]) -> list[Path]:
+    """Fill ``out`` with wheels of engine, the ``plugins`` folders' distributions and all their
+    dependencies; returns the wheels in ``out``. Earlier wheels of engine and these plugins are
+    replaced, other wheels already there are kept (pip installs the newest that fits)."""
+    projects = [ROOT, *plugins]
     metadata = [project_metadata(folder) for folder in projects]
     out.mkdir(parents=True, exist_ok=True)
     ours = {normalized(project["name"]) for project in metadata}
@@ -115,8 +114,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("-c", "--constraint", type=Path, action="append", default=[],
                         help="more pip constraints for the dependencies, besides constraints.txt (repeatable)")
     args = parser.parse_args(argv)
+    available = plugin_projects()
+    unknown = [name for name in args.plugins if name not in available]
+    if unknown:
+        parser.error(f"no plugin folder {', '.join(unknown)}; available: {', '.join(sorted(available))}")
     constraints = [ROOT / "constraints.txt", *(path.resolve() for path in args.constraint)]
-    wheels = build(args.out.resolve(), args.plugins, constraints)
+    try:
+        wheels = build(args.out.resolve(), [available[name] for name in args.plugins or available], constraints)
+    except subprocess.CalledProcessError as error:  # pip has said why
+        raise SystemExit(f"wheelhouse: error: pip {error.cmd[3]} failed (exit status {error.returncode})")
     size = sum(wheel.stat().st_size for wheel in wheels)
     print(f"wheelhouse: {len(wheels)} wheels, {size / 2**20:.0f} MiB in {args.out}", file=sys.stderr)
 
