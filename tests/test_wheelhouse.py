@@ -1,6 +1,7 @@
 """The offline install: scripts/wheelhouse.py builds a wheelhouse of engine, galore and the contrib
 plugin lion with all their dependencies; a fresh virtual environment installs it with --no-index,
-lists exactly those plugins and trains two steps with galore as the development install does."""
+lists exactly those plugins (and the engine's own, early_stopping) and trains two steps with
+galore as the development install does."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -85,7 +87,8 @@ def test_a_wheelhouse_installs_offline_into_a_fresh_venv_and_trains(tmp_path):
               "--no-index", "--find-links", wheelhouse, "engine[galore]", "engine-lion"], env=env, cwd=tmp_path)
 
         listed = _listed_plugins(_run([venv / "bin" / "engine", "plugins"], env=env, cwd=tmp_path))
-        assert listed == {"early_stopping": "engine", "galore": "engine-galore", "lion": "engine-lion"}
+        builtin = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["engine.plugins"]
+        assert listed == {**dict.fromkeys(builtin, "engine"), "galore": "engine-galore", "lion": "engine-lion"}
         # where its python finds them (found, not imported: importing torch again takes seconds)
         modules = _run([venv / "bin" / "python", "-c", "from importlib.util import find_spec\n"
                         "for name in ('engine', 'engine_galore', 'engine_lion', 'galore_torch', 'torch'):\n"
