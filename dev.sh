@@ -2,8 +2,9 @@
 # Quick start on a fresh machine (only Python 3.10+ and pip needed):
 #   ./dev.sh run     set up .venv and run the embedded default training run (afresh each time)
 #   ./dev.sh test    set up .venv and run the test suite (what CI runs)
-#   ./dev.sh wheels  build wheels of engine and every plugin into wheelhouse/, so that
-#                    pip install --find-links wheelhouse 'engine[galore]' works offline
+#   ./dev.sh wheels [PLUGIN ...]  build wheels of engine, every plugin (or those named) and all
+#                    their dependencies into wheelhouse/ (scripts/wheelhouse.py), so that
+#                    pip install --no-index --find-links wheelhouse 'engine[galore,liger]' works offline
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${VENV:-.venv}
@@ -13,12 +14,13 @@ CONTRIB=(contrib/*/)  # third-party-style plugins, each its own distribution
 
 install() {
     "$PY" -m pip install --upgrade pip &&
-    # the CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build
-    "$PY" -m pip install torch==2.13.0 &&
+    # the CPU build of torch first (constraints.txt pins it): an unpinned torch would pull a
+    # multi-GB CUDA build
+    "$PY" -m pip install -c constraints.txt torch &&
     # deepspeed (for plugins/deepspeed) builds against the installed torch, so without build
     # isolation, and compiles no ops now (DS_BUILD_OPS=0): the one it needs on CPU is built below
-    DS_BUILD_OPS=0 "$PY" -m pip install --no-build-isolation -c <(echo torch==2.13.0) deepspeed &&
-    "$PY" -m pip install -c <(echo torch==2.13.0) "$@" &&
+    DS_BUILD_OPS=0 "$PY" -m pip install --no-build-isolation -c constraints.txt deepspeed &&
+    "$PY" -m pip install -c constraints.txt "$@" &&
     # DeepSpeed JIT-compiles its shared-memory op on first use on CPU (~1 min); compile it once
     # into the venv, where the deepspeed tests point TORCH_EXTENSIONS_DIR
     TORCH_EXTENSIONS_DIR="$VENV/torch_extensions" "$PY" -c 'from deepspeed.accelerator import get_accelerator
@@ -28,7 +30,7 @@ builder is None or builder.load()'
 
 setup() {
     local stamp="$VENV/.engine-installed"
-    if [ -f "$stamp" ] && [ -z "$(find pyproject.toml contrib/*/pyproject.toml plugins/*/pyproject.toml -newer "$stamp")" ]; then
+    if [ -f "$stamp" ] && [ -z "$(find constraints.txt pyproject.toml contrib/*/pyproject.toml plugins/*/pyproject.toml -newer "$stamp")" ]; then
         return
     fi
     python3 -m venv "$VENV"
@@ -49,6 +51,6 @@ case "${1:-}" in
     # the demo starts afresh each time; a plain `engine train` refuses to overwrite another run
     run) setup; shift; "$VENV/bin/engine" train --set train.overwrite_output_dir=true "$@" ;;
     test) setup; shift; "$PY" -m pytest tests contrib plugins "$@" ;;
-    wheels) setup; "$PY" -m pip wheel -q --no-deps -w wheelhouse . "${CONTRIB[@]}" "${PLUGINS[@]}" ;;
+    wheels) setup; shift; "$PY" scripts/wheelhouse.py "$@" ;;
     *) echo "usage: ./dev.sh setup|run|test|wheels [args]" >&2; exit 2 ;;
 esac
