@@ -122,6 +122,17 @@ def logged_scalars(output_dir: str | Path) -> dict[tuple[str, int], float]:
     return found
 
 
+def assert_one_line_error(result: Any, fragment: str) -> None:
+    """``result`` (a ``subprocess.CompletedProcess`` of an ``engine`` command) refused bad input the
+    engine's way: exit status 2 and, on stderr, one line ``engine: error: ...`` holding ``fragment``,
+    without a traceback."""
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("engine: error: "), result.stderr
+    assert fragment in lines[0]
+
+
 def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
     """The names of the parameters that differ between two models ([] when all are equal)."""
     others = dict(b.named_parameters())

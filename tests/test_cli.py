@@ -6,18 +6,12 @@ import sys
 
 import pytest
 
+from engine.testing import assert_one_line_error
+
 
 def engine(*args, cwd=None, timeout=300):
     return subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True,
                           cwd=cwd, timeout=timeout)
-
-
-def _assert_one_line_error(result, fragment):
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("engine: error: "), result.stderr
-    assert fragment in lines[0]
 
 
 @pytest.fixture
@@ -31,36 +25,36 @@ def run_file(tmp_path):
 
 
 def test_missing_run_file(tmp_path):
-    _assert_one_line_error(engine("train", str(tmp_path / "absent.toml")), "run file not found")
+    assert_one_line_error(engine("train", str(tmp_path / "absent.toml")), "run file not found")
 
 
 def test_toml_syntax_error(run_file):
-    _assert_one_line_error(engine("train", run_file("[train\n")), "TOML syntax error")
+    assert_one_line_error(engine("train", run_file("[train\n")), "TOML syntax error")
 
 
 def test_unknown_plugin(run_file, first_party):
     plugin, _ = first_party(installed=False)
-    _assert_one_line_error(engine("plan", run_file(f'plugins = ["{plugin}"]\n')),
+    assert_one_line_error(engine("plan", run_file(f'plugins = ["{plugin}"]\n')),
                            f"unknown plugin '{plugin}'; it comes from engine-{plugin}: pip install 'engine[{plugin}]'")
 
 
 def test_unknown_optimizer(run_file):
-    _assert_one_line_error(engine("train", run_file('[train]\noptim = "adamw_8bit"\n')),
+    assert_one_line_error(engine("train", run_file('[train]\noptim = "adamw_8bit"\n')),
                            "train.optim: unknown optimizer 'adamw_8bit'; it comes from ")
 
 
 def test_wrong_type(run_file):
-    _assert_one_line_error(engine("train", run_file('[train]\nlearning_rate = "high"\n')),
+    assert_one_line_error(engine("train", run_file('[train]\nlearning_rate = "high"\n')),
                            "train.learning_rate: expected float, got str 'high'")
 
 
 def test_unknown_key_from_the_command_line():
-    _assert_one_line_error(engine("train", "--set", "train.max_step=3"),
+    assert_one_line_error(engine("train", "--set", "train.max_step=3"),
                            "train.max_step: unknown key; did you mean 'max_steps'?")
 
 
 def test_bad_model_name_is_refused_before_training(run_file):
-    _assert_one_line_error(engine("train", run_file('[train]\nmodel = "gpt-17"\n')),
+    assert_one_line_error(engine("train", run_file('[train]\nmodel = "gpt-17"\n')),
                            "train.model: 'gpt-17' is not a folder")
 
 

@@ -19,7 +19,6 @@ from engine.data import (
     embedded_corpus,
     load_source,
     load_tokenizer,
-    prepare,
     train_tokenizer,
 )
 from engine.errors import ConfigError

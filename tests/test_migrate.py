@@ -17,6 +17,7 @@ from transformers import TrainingArguments
 import engine
 from engine.config import TrainConfig
 from engine.plugins import PluginManager, installed_plugins
+from engine.testing import assert_one_line_error
 from engine.trainer_args import ACCEPTED, FIELDS, KINDS, LEGACY, PLUGIN
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -274,14 +275,6 @@ def test_an_older_dump_and_fields_of_subclasses(tmp_path):
 # ---------------------------------------------------------------------------- bad input
 
 
-def _assert_one_line_error(result, fragment):
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("engine: error: "), result.stderr
-    assert fragment in lines[0]
-
-
 @pytest.mark.parametrize("content, fragment", [
     ("output_dir: out\n", "args.json is not JSON (Expecting value: line 1 column 1 (char 0)); expected "
                           "TrainingArguments.to_json_string() output"),
@@ -291,13 +284,13 @@ def _assert_one_line_error(result, fragment):
 def test_bad_arguments_file(tmp_path, content, fragment):
     if content is not None:
         (tmp_path / "args.json").write_text(content)
-    _assert_one_line_error(engine_command("migrate", "args.json", cwd=tmp_path), fragment)
+    assert_one_line_error(engine_command("migrate", "args.json", cwd=tmp_path), fragment)
 
 
 def test_an_existing_output_is_kept_unless_forced(tmp_path):
     (tmp_path / "args.json").write_text(json.dumps({"output_dir": "out", "learning_rate": 1e-3}))
     (tmp_path / "run.toml").write_text("# mine\n")
-    _assert_one_line_error(engine_command("migrate", "args.json", "-o", "run.toml", cwd=tmp_path),
+    assert_one_line_error(engine_command("migrate", "args.json", "-o", "run.toml", cwd=tmp_path),
                            "-o run.toml: the file exists; pass --force to overwrite it")
     assert (tmp_path / "run.toml").read_text() == "# mine\n"
     result = engine_command("migrate", "args.json", "-o", "run.toml", "--force", cwd=tmp_path)
