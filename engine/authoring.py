@@ -86,8 +86,8 @@ def _module_folder(project: Path, module: str) -> Path:
     return project
 
 
-def _targets(spec: str) -> tuple[str, list[tuple[str, str, Path | None]], list[str]]:
-    """What ``spec`` names: (subject, [(plugin name, entry value, folder to import from)], problems).
+def _targets(spec: str) -> tuple[str, list[tuple[InstalledPlugin, Path | None]], list[str]]:
+    """What ``spec`` names: (subject, [(the plugin as an entry point, folder to import from)], problems).
 
     ``spec`` is a project folder (with pyproject.toml), a plugin module file or package folder,
     or an importable module name (``pkg.mod`` or ``pkg.mod:Class``).
@@ -112,7 +112,8 @@ def _targets(spec: str) -> tuple[str, list[tuple[str, str, Path | None]], list[s
             elif current.value != value:
                 problems.append(f"entry point {name!r} is installed as {current.value!r} ({current.distribution} "
                                 f"{current.version}) but pyproject.toml says {value!r}: reinstall (pip install -e {path})")
-            targets.append((name, value, _module_folder(path, value.partition(":")[0])))
+            targets.append((InstalledPlugin(name, value, distribution, "?"),
+                            _module_folder(path, value.partition(":")[0])))
         return subject, targets, problems
     if path.suffix == ".py" and path.is_file() or path.is_dir() and (path / "__init__.py").is_file():
         module = path.stem if path.suffix == ".py" else path.name
@@ -134,8 +135,8 @@ def _targets(spec: str) -> tuple[str, list[tuple[str, str, Path | None]], list[s
                         f"can enable it: add [project.entry-points.\"{ENTRY_POINT_GROUP}\"] {name} = \"{module}\" to its "
                         "pyproject.toml and install it (pip install -e .)")
         value = spec if ":" in spec else module
-        return f"module {module}", [(name, value, folder)], problems
-    return f"module {module}", [(p.name, p.value, folder) for p in entry_points], problems
+        return f"module {module}", [(InstalledPlugin(name, value, "not installed", "?"), folder)], problems
+    return f"module {module}", [(plugin, folder) for plugin in entry_points], problems
 
 
 def _near_hook_names(target: Any) -> list[str]:
@@ -195,13 +196,14 @@ def check_plugin(spec: str) -> list[CheckReport]:
     for problem in problems:
         report.problem(problem)
     reports = [report]
-    for name, value, folder in targets:
+    for target, folder in targets:
+        name, value = target.name, target.value
         plugin_report = report if len(targets) == 1 else CheckReport(f"plugin {name!r} ({value})")
         if plugin_report is not report:
             reports.append(plugin_report)
         with _on_sys_path(folder):
             try:
-                plugin = InstalledPlugin(name, value, "?", "?").load()
+                plugin = target.load()
             except PluginError as exc:
                 plugin_report.problem(str(exc))
                 continue

@@ -78,6 +78,14 @@ def test_a_misspelt_hook_argument_an_unmarked_hook_and_near_names_are_each_named
     assert "helper" not in out
 
 
+def test_a_module_that_fails_to_import_is_named_with_the_missing_package(tmp_path, capfd):
+    path = _module(tmp_path, "engine_needy", "import missing_dependency_xyz\n")
+    status, out, _ = _check(capfd, path)
+    assert status == 1
+    assert ("PROBLEM  plugin 'needy' (not installed) failed to import: missing module 'missing_dependency_xyz'"
+            in out)
+
+
 def test_an_unknown_marked_hook_names_the_closest(tmp_path, capfd):
     path = _module(tmp_path, "engine_typo", """
         from engine import hookimpl
