@@ -321,7 +321,12 @@ def main(argv: list[str] | None = None) -> int:
         return command(args)
     except EngineError as exc:
         if _launcher_rank() and getattr(exc, "shown_by_main", False):
-            return exc.exit_status  # the main process prints it
+            # the main process prints it: wait, or the launcher, seeing this process end first,
+            # could stop the main process before it has said why
+            import time
+
+            time.sleep(RANK_ERROR_DELAY_S)
+            return exc.exit_status
         if show_traceback:
             import traceback
 
