@@ -1,7 +1,6 @@
 """Plugin authors' tools: ``engine plugins --check`` names each mistake; ``engine plugins new`` writes a
 package that installs, passes its own test and runs in a composed run."""
 
-import json
 import subprocess
 import sys
 import textwrap
@@ -11,7 +10,7 @@ import pytest
 
 from engine.authoring import KINDS, hook_contract
 from engine.cli import main
-from engine.testing import write_run_file
+from engine.testing import run_steps, tiny_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -165,7 +164,8 @@ def test_each_hook_in_a_scaffold_carries_its_contract():
 @pytest.fixture(scope="module")
 def scaffolded(tmp_path_factory):
     """One package per kind written by ``engine plugins new``, pip-installed (editable) into this
-    environment for the module's tests and uninstalled afterwards."""
+    environment for the module's tests and uninstalled afterwards; and the result of running the
+    four generated test files (one pytest process for all of them)."""
     parent = tmp_path_factory.mktemp("scaffold")
     folders = {}
     for kind in KINDS:
@@ -176,12 +176,16 @@ def scaffolded(tmp_path_factory):
                               *[arg for folder in folders.values() for arg in ("-e", str(folder))]],
                              capture_output=True, text=True)
     assert install.returncode == 0, install.stderr
-    yield folders
+    # a fresh interpreter imports them as installed (this one started before their .pth files existed)
+    own_tests = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA",
+                                *[str(folder / "tests") for folder in folders.values()]],
+                               cwd=parent, capture_output=True, text=True)
+    yield folders, own_tests
     subprocess.run([sys.executable, "-m", "pip", "uninstall", "-q", "-y",
                     *[f"engine-scaffolded-{kind}" for kind in KINDS]], capture_output=True, check=True)
 
 
-# options each kind's composed run sets, and what shows that the plugin took part
+# each kind's composed run: [train] keys and sections
 COMPOSED = {
     "optimizer": ({"optim": "scaffolded_optimizer"}, {"scaffolded_optimizer": {"momentum": 0.5}}),
     "loss": ({}, {"scaffolded_loss": {"label_smoothing": 0.1}}),
@@ -191,24 +195,27 @@ COMPOSED = {
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_a_scaffolded_plugin_passes_its_own_test_and_runs_composed(scaffolded, kind, tmp_path, capfd):
-    folder = scaffolded[kind]
-    name = f"scaffolded_{kind}"
+def test_a_scaffolded_plugin_passes_its_own_test_and_runs_composed(scaffolded, kind, tmp_path, capfd, caplog,
+                                                                    monkeypatch):
+    folders, own_tests = scaffolded
+    folder, name = folders[kind], f"scaffolded_{kind}"
     assert (folder / "pyproject.toml").is_file() and (folder / "README.md").is_file()
-    own = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=folder,
-                         capture_output=True, text=True)
-    assert own.returncode == 0, own.stdout[-3000:]
+    written = (folder / "tests" / f"test_{name}.py").read_text().count("\ndef test_")
+    passed = [line for line in own_tests.stdout.splitlines() if line.startswith("PASSED ") and f"test_{name}.py::" in line]
+    assert own_tests.returncode == 0 and len(passed) == written >= 2, own_tests.stdout[-3000:]
     status, report, _ = _check(capfd, folder)
     assert status == 0 and report.rstrip().endswith("no problems found"), report
+    monkeypatch.syspath_prepend(str(folder))  # its entry point is installed; its module is in the folder
     train, sections = COMPOSED[kind]
-    run_file = write_run_file(tmp_path, [name, "lion"], sections, max_steps=2, save_steps=2, **train)
-    composed = subprocess.run([sys.executable, "-m", "engine", "train", str(run_file), "--set", "data.eval_split=0.1"],
-                              capture_output=True, text=True)
-    assert composed.returncode == 0, composed.stderr[-3000:]
-    out = tmp_path / "out"
-    record = json.loads((out / "run.json").read_text())
-    assert record["versions"]["plugins"] == {name: f"engine-scaffolded-{kind} 0.1.0", "lion": "engine-lion 0.1.0"}
+    with caplog.at_level("INFO", logger="engine"):
+        run = run_steps(2, plugins=[name, "lion"], output_dir=tmp_path, train=train, sections=sections,
+                        eval_dataset=tiny_dataset(size=8, seed=1))
+    assert run.plugin_manager.installed[name].distribution == f"engine-scaffolded-{kind}"
+    assert run.config.plugins == [name, "lion"] and run.state.log_history
+    if kind == "optimizer":
+        assert type(run.optimizer).__name__ == "SGD" and run.optimizer.param_groups[0]["momentum"] == 0.5
     if kind == "tracker":
-        assert (out / f"{name}.jsonl").read_text().splitlines()[-1] == '{"status": "success"}'
+        assert (tmp_path / f"{name}.jsonl").read_text().splitlines()[-1] == '{"status": "success"}'
     if kind == "callback":
-        assert f"stopped at step 1 of 2: {name}: eval_loss" in composed.stderr  # at the first evaluation
+        assert run.state.global_step == 1  # stopped at the first evaluation
+        assert f"stopped at step 1 of 2: {name}: eval_loss" in caplog.text
