@@ -1,8 +1,12 @@
 """``engine migrate``: TrainingArguments dumps of realistic Trainer runs become run files that
-``engine plan`` accepts (real processes), with the values read back from the file and from the
-plan's composed config; and the table behind it answers every field of the installed transformers."""
+``engine plan`` accepts, with the values read back from the file and from the plan's composed
+config; and the table behind it answers every field of the installed transformers. The commands
+run in this process (``engine.cli.main``), except two in real processes (the command line itself;
+a plan that reaches a local Hub)."""
 
+import contextlib
 import dataclasses
+import io
 import importlib.util
 import json
 import os
@@ -15,6 +19,7 @@ import pytest
 from transformers import TrainingArguments
 
 import engine
+from engine.cli import main
 from engine.config import TrainConfig
 from engine.plugins import PluginManager, installed_plugins
 from engine.testing import assert_one_line_error
@@ -33,8 +38,19 @@ DEEPSPEED_ZERO2 = {
 
 
 def engine_command(*args, cwd, env=None):
-    return subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True, cwd=cwd,
-                          env=env, timeout=300)
+    """``engine ARGS`` run in ``cwd``, as a finished process: in this process, or with ``env`` (variables
+    added to this environment) in a process of its own (huggingface_hub reads its endpoint at import)."""
+    if env is not None:
+        return subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True, cwd=cwd,
+                              env={**os.environ, **env}, timeout=300)
+    out, err, before = io.StringIO(), io.StringIO(), os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            status = main([str(arg) for arg in args])
+    finally:
+        os.chdir(before)
+    return subprocess.CompletedProcess(["engine", *args], status, out.getvalue(), err.getvalue())
 
 
 def convert(folder, name, arguments, command=False):
@@ -229,7 +245,7 @@ def test_trackers_neftune_liger_and_the_hub(tmp_path):
 
     hub, server = serve()
     try:
-        env = {**os.environ, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": f"http://127.0.0.1:{server.server_port}",
+        env = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": f"http://127.0.0.1:{server.server_port}",
                "HF_HOME": str(tmp_path / "hf"), "HF_TOKEN": "hf_fakeToken", "HF_HUB_DISABLE_TELEMETRY": "1"}
         stdout, config = plan(tmp_path, "misc", env=env)
     finally:
@@ -250,7 +266,7 @@ def test_python_entry_point_takes_training_arguments(tmp_path):
     assert tomllib.loads(text) == migration.mapping
     assert migration.mapping["train"]["lr_scheduler_kwargs"] == {"num_cycles": 0.25}
     (tmp_path / "api.json").write_text(arguments.to_json_string())
-    result = engine_command("migrate", "api.json", cwd=tmp_path)
+    result = engine_command("migrate", "api.json", cwd=tmp_path, env={})  # the real command line, once
     assert result.returncode == 0, result.stderr
     assert result.stdout == text.replace("from TrainingArguments", "from api.json")
 
