@@ -325,9 +325,11 @@ def load_tokenizer(path: str, key: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def build_tokenizer(data: DataConfig, model_source: str, rows: Any = None) -> PreTrainedTokenizerBase:
+def build_tokenizer(data: DataConfig, model_source: str, rows: Any = None,
+                    task: str = "causal-lm") -> PreTrainedTokenizerBase:
     """The run's tokenizer per ``data.tokenizer``; ``model_source`` is ``train.model``. A trained
-    one learns from ``rows`` (a datasets object given to Run), else from ``data.train``."""
+    one learns from ``rows`` (a datasets object given to Run), else from ``data.train``: the text
+    column, or the columns of ``task`` (engine/tasks.py)."""
     if data.tokenizer == "auto":
         model_dir = Path(model_source)
         if any((model_dir / name).is_file() for name in TOKENIZER_FILES):
@@ -340,6 +342,17 @@ def build_tokenizer(data: DataConfig, model_source: str, rows: Any = None) -> Pr
                               f"data, but data.train is the callable {data.train!r}; "
                               "set data.tokenizer to a tokenizer folder")
         rows = load_source(data.train, data, "data.train")
+    if task != "causal-lm":
+        from . import tasks
+
+        missing = [c for c in tasks.text_columns(task, data) if c not in column_names(rows)]
+        if missing:
+            raise ConfigError(f"data.tokenizer = {data.tokenizer!r} trains a tokenizer on the {task} column "
+                              f"{missing[0]!r}, which data.train lacks (its columns: {', '.join(column_names(rows))}); "
+                              "set the column, or data.tokenizer to a tokenizer folder")
+        if data.streaming:
+            rows = rows.take(STREAMING_TOKENIZER_ROWS)
+        return train_tokenizer(tasks.tokenizer_texts(rows, task, data), data.tokenizer_vocab_size)
     if data_kind(rows, data, "data.train") != "text":
         raise ConfigError(f"data.tokenizer = {data.tokenizer!r} trains a tokenizer on the text column "
                           f"{data.text_column!r}, which data.train lacks; set data.tokenizer to a tokenizer folder")
@@ -548,10 +561,23 @@ class _Pipeline:
                        self.key, " + ".join(self.cached), self.folder)
 
 
-def prepare(rows: Any, data: DataConfig, tokenizer: PreTrainedTokenizerBase | None, key: str) -> Any:
+def prepare(rows: Any, data: DataConfig, tokenizer: PreTrainedTokenizerBase | None, key: str,
+            task: str = "causal-lm", label2id: dict[str, int] | None = None) -> Any:
     """Examples for training from a datasets object: tokenized (text, chat or prompt/completion
     rows) and shaped per ``data.packing``; rows that already hold ``input_ids`` are used as is.
+    Other tasks' rows are tokenized by engine/tasks.py (string labels mapped with ``label2id``).
     Steps read from the cache are logged in one line (at debug level for small data)."""
+    if task != "causal-lm":
+        if "input_ids" in column_names(rows):
+            return rows
+        if tokenizer is None:
+            raise ConfigError(f"{key}: {task} rows need a tokenizer; pass tokenizer= or set data.tokenizer")
+        from . import tasks
+
+        pipeline = _Pipeline(data, tokenizer, key)
+        examples = tasks.prepare(rows, task, data, tokenizer, key, pipeline, label2id)
+        pipeline.report()
+        return examples
     kind = data_kind(rows, data, key)
     if kind == "tokens":
         return rows
@@ -654,26 +680,45 @@ class DataCollator:
     """Batches examples: stacks equal-length rows, else right-pads and adds ``attention_mask``.
 
     Padded ``input_ids`` get ``pad_token_id``, padded ``labels`` get -100 (ignored by the loss).
-    Examples without ``labels`` learn every real token. Other keys are kept when they stack.
+    Examples without ``labels`` learn every real token. A scalar label per example (a class id,
+    or a float for regression; ``label`` or ``label_ids`` as transformers' collators also take
+    it) is stacked into ``labels [batch]``; label rows of another length than their
+    ``input_ids`` (seq2seq targets) are padded to the longest of them. Other keys are kept when
+    they stack.
     """
 
     _CORE_KEYS = ("input_ids", "labels", "attention_mask")
+    _LABEL_KEYS = ("labels", "label", "label_ids")
 
     def __init__(self, pad_token_id: int):
         self.pad_token_id = pad_token_id
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        key = next((k for k in self._LABEL_KEYS if k in features[0]), None)
+        if key is not None and key != "labels":
+            features = [{("labels" if k == key else k): v for k, v in f.items()} for f in features]
+        if key is not None and torch.as_tensor(features[0]["labels"]).dim() == 0:
+            values = [f["labels"] for f in features]
+            scalar = torch.as_tensor(values, dtype=torch.float32 if any(isinstance(v, float) or (
+                isinstance(v, torch.Tensor) and v.is_floating_point()) for v in values) else torch.long)
+            batch = self([{k: v for k, v in f.items() if k != "labels"} for f in features])
+            batch["labels"] = scalar
+            return batch
         ids = [torch.as_tensor(f["input_ids"], dtype=torch.long) for f in features]
         labels = [torch.as_tensor(f["labels"], dtype=torch.long) if "labels" in f else None
                   for f in features]
         masks = [torch.as_tensor(f["attention_mask"], dtype=torch.long) if "attention_mask" in f
                  else None for f in features]
-        if len({len(row) for row in ids}) == 1 and all(m is None for m in masks):
+        targets = any(lab is not None and len(lab) != len(row) for row, lab in zip(ids, labels))
+        if len({len(row) for row in ids}) == 1 and all(m is None for m in masks) and not targets:
             # Packed data: nothing to pad, and no mask means the model attends to everything.
             batch = {"input_ids": torch.stack(ids),
                      "labels": torch.stack([row if lab is None else lab for row, lab in zip(ids, labels)])}
         else:
             batch = self._pad(ids, labels, masks)
+            if targets:  # seq2seq: the model makes its decoder inputs from the labels
+                batch["labels"] = torch.nn.utils.rnn.pad_sequence(labels, batch_first=True,
+                                                                  padding_value=IGNORE_INDEX)
         for key in features[0]:
             if key in self._CORE_KEYS:
                 continue
@@ -755,6 +800,7 @@ class Datasets(NamedTuple):
     train: Any
     eval: Any = None
     collator: Callable[[list[Any]], Any] | None = None
+    label_names: list[str] | None = None  # classification: the class names of the data's ClassLabel
 
 
 def _call_source(spec: str, key: str, tokenizer: PreTrainedTokenizerBase) -> Any:
@@ -773,24 +819,31 @@ def check_config(data: DataConfig) -> None:
 
 
 def build_datasets(data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int, *, shuffle: bool = True,
-                   rank: int = 0, world_size: int = 1) -> Datasets:
-    """The train dataset, the eval dataset (or None) and the collator for ``data``.
+                   rank: int = 0, world_size: int = 1, task: str = "causal-lm",
+                   label2id: dict[str, int] | None = None) -> Datasets:
+    """The train dataset, the eval dataset (or None) and the collator for ``data``, tokenized for
+    ``task`` (string labels mapped with ``label2id``); a classification's ClassLabel names.
 
     With ``data.streaming`` the train data is a :class:`ResumableStream` over this process's
     shard (``rank`` of ``world_size``), shuffled through a buffer of
     ``data.shuffle_buffer_size`` examples seeded by ``seed`` (``shuffle``).
     """
+    from .tasks import label_names
+
     check_config(data)
+    names = []  # data.train's ClassLabel names, when it has them
 
     def from_source(source: str, key: str, split: str | None = None) -> Any:
         if is_callable_spec(source):
-            return prepare_given(_call_source(source, key, tokenizer), data, tokenizer, key)
+            return prepare_given(_call_source(source, key, tokenizer), data, tokenizer, key, task, label2id)
         rows = load_source(source, data, key, split)
+        if key == "data.train":
+            names.append(label_names(rows, task, data))
         if data.streaming and world_size > 1:
             from datasets.distributed import split_dataset_by_node
 
             rows = split_dataset_by_node(rows, rank=rank, world_size=world_size)
-        return prepare(rows, data, tokenizer, key)
+        return prepare(rows, data, tokenizer, key, task, label2id)
 
     if data.eval is not None or data.eval_split == 0:
         train = from_source(data.train, "data.train")
@@ -805,10 +858,13 @@ def build_datasets(data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: i
         if data.streaming:
             raise ConfigError("data.eval_split: holds out documents of a dataset with a length, but data.streaming "
                               "is true; set data.eval instead")
-        train_rows, eval_rows = _split(load_source(data.train, data, "data.train"), data.eval_split, seed)
-        train = prepare(train_rows, data, tokenizer, "data.train")
-        evaluation = prepare(eval_rows, data, tokenizer, "data.eval_split")
-    return Datasets(train, evaluation, collator_for(data, tokenizer))
+        rows = load_source(data.train, data, "data.train")
+        names.append(label_names(rows, task, data))
+        train_rows, eval_rows = _split(rows, data.eval_split, seed)
+        train = prepare(train_rows, data, tokenizer, "data.train", task, label2id)
+        evaluation = prepare(eval_rows, data, tokenizer, "data.eval_split", task, label2id)
+    collator = collator_for(data, tokenizer) if task == "causal-lm" else None  # the run's task collator
+    return Datasets(train, evaluation, collator, names[0] if names else None)
 
 
 class ResumableStream(torch.utils.data.IterableDataset):
@@ -846,19 +902,25 @@ class ResumableStream(torch.utils.data.IterableDataset):
         self.epoch, self._skip = int(state["epoch"]), int(state["position"])
 
 
-def prepare_given(dataset: Any, data: DataConfig, tokenizer: PreTrainedTokenizerBase | None, key: str) -> Any:
+def prepare_given(dataset: Any, data: DataConfig, tokenizer: PreTrainedTokenizerBase | None, key: str,
+                  task: str = "causal-lm", label2id: dict[str, int] | None = None) -> Any:
     """A dataset given to Run or returned by a data hook: a datasets object is checked and
     tokenized like data.train (one with input_ids is used as is); anything else is used as is."""
     if isinstance(dataset, dict):
-        return {name: prepare_given(d, data, tokenizer, f"{key}[{name!r}]") for name, d in dataset.items()}
-    return prepare(dataset, data, tokenizer, key) if is_datasets_object(dataset) else dataset
+        return {name: prepare_given(d, data, tokenizer, f"{key}[{name!r}]", task, label2id)
+                for name, d in dataset.items()}
+    return prepare(dataset, data, tokenizer, key, task, label2id) if is_datasets_object(dataset) else dataset
 
 
-def needs_tokenizer(dataset: Any, data: DataConfig) -> bool:
+def needs_tokenizer(dataset: Any, data: DataConfig, task: str = "causal-lm") -> bool:
     """Whether ``dataset`` (given to Run) holds rows that the engine tokenizes."""
     if isinstance(dataset, dict):
-        return any(needs_tokenizer(d, data) for d in dataset.values())
-    return is_datasets_object(dataset) and data_kind(dataset, data, "train_dataset") != "tokens"
+        return any(needs_tokenizer(d, data, task) for d in dataset.values())
+    if not is_datasets_object(dataset):
+        return False
+    if task != "causal-lm":
+        return "input_ids" not in column_names(dataset)
+    return data_kind(dataset, data, "train_dataset") != "tokens"
 
 
 def _split(rows: Any, fraction: float, seed: int) -> tuple[Any, Any]:

@@ -1,0 +1,434 @@
+"""Tasks: what a model learns (``train.task``), and what follows from it.
+
+====================== ====================================== ===================================== =============================
+task                   model class (``train.model``)          rows (``[data]`` columns)             default collator
+====================== ====================================== ===================================== =============================
+causal-lm              ``AutoModelForCausalLM``               text, chat, prompt/completion         the engine's (engine/data.py)
+sequence-classification ``AutoModelForSequenceClassification`` text (+ text pair) and a label        ``DataCollatorWithPadding``
+token-classification   ``AutoModelForTokenClassification``    words and one tag per word            ``DataCollatorForTokenClassification``
+seq2seq                ``AutoModelForSeq2SeqLM``              source and target texts               ``DataCollatorForSeq2Seq``
+====================== ====================================== ===================================== =============================
+
+Rows are tokenized as transformers' example scripts do (``run_glue``, ``run_ner``,
+``run_summarization``): classification text with the tokenizer's special tokens, truncated to
+``data.max_length``; each word's tag on its first sub-word (every sub-word with
+``data.label_all_tokens``), -100 on the others; seq2seq targets as ``labels``, ending with eos.
+Rows that already hold ``input_ids`` are used as they are.
+
+Without ``train.task`` a model given in Python, or the ``architectures`` of a model's config,
+says the task (``BertForSequenceClassification`` -> sequence-classification); else causal-lm.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .config import DataConfig, TrainConfig
+from .errors import ConfigError
+from .loss import IGNORE_INDEX
+
+CAUSAL_LM, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION, SEQ2SEQ = (
+    "causal-lm", "sequence-classification", "token-classification", "seq2seq")
+AUTO_CLASSES = {CAUSAL_LM: "AutoModelForCausalLM", SEQUENCE_CLASSIFICATION: "AutoModelForSequenceClassification",
+                TOKEN_CLASSIFICATION: "AutoModelForTokenClassification", SEQ2SEQ: "AutoModelForSeq2SeqLM"}
+CLASSIFICATION = (SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION)
+# the end of a transformers class name -> its task
+CLASS_SUFFIXES = {"ForSequenceClassification": SEQUENCE_CLASSIFICATION, "ForTokenClassification": TOKEN_CLASSIFICATION,
+                  "ForConditionalGeneration": SEQ2SEQ, "ForCausalLM": CAUSAL_LM, "LMHeadModel": CAUSAL_LM}
+DEFAULT_LABEL_COLUMNS = {SEQUENCE_CLASSIFICATION: ("label", "labels"),
+                         TOKEN_CLASSIFICATION: ("tags", "ner_tags", "labels")}
+
+
+# ---------------------------------------------------------------------------- which task
+
+
+def task_of_class(name: str, config: Any = None) -> str | None:
+    """The task a model class name says, else an encoder-decoder config's (seq2seq), else None."""
+    for suffix, task in CLASS_SUFFIXES.items():
+        if name.endswith(suffix):
+            return SEQ2SEQ if task == SEQ2SEQ and not getattr(config, "is_encoder_decoder", True) else task
+    return SEQ2SEQ if getattr(config, "is_encoder_decoder", False) else None
+
+
+def resolve_task(train: TrainConfig, model: torch.nn.Module | None) -> str:
+    """``train.task``, else what the given model or the config's ``architectures`` say, else causal-lm.
+    A given model of another task than ``train.task`` is refused."""
+    if model is not None:
+        config = getattr(model, "config", None)
+        inferred = task_of_class(type(model).__name__, config)
+        if train.task and inferred and inferred != train.task:
+            raise ConfigError(f"train.task = {train.task!r}, but the model given is a {type(model).__name__} "
+                              f"({inferred}); set train.task = {inferred!r} or pass a {train.task} model")
+        return train.task or inferred or CAUSAL_LM
+    if train.task:
+        return train.task
+    from .models import model_config
+
+    config = model_config(train)
+    for name in getattr(config, "architectures", None) or ():
+        found = task_of_class(name, config)
+        if found:
+            return found
+    return task_of_class("", config) or CAUSAL_LM
+
+
+def auto_class(task: str) -> Any:
+    import transformers
+
+    return getattr(transformers, AUTO_CLASSES[task])
+
+
+def configure(train: TrainConfig, task: str) -> None:
+    """Checks that need no model, data nor weights (at Run construction)."""
+    if train.predict_with_generate and task in CLASSIFICATION:
+        raise ConfigError(f"train.predict_with_generate: a {task} model cannot generate; "
+                          "set predict_with_generate = false")
+    if task not in CLASSIFICATION:
+        given = [key for key in ("num_labels", "id2label", "label2id", "problem_type") if getattr(train, key) is not None]
+        if given:
+            raise ConfigError(f"train.{given[0]}: only for classification, but the task is {task}; "
+                              "set train.task = 'sequence-classification' or 'token-classification'")
+    if train.problem_type and task != SEQUENCE_CLASSIFICATION:
+        raise ConfigError("train.problem_type: only for sequence-classification")
+    _id2label(train)
+
+
+def check_can_generate(model: torch.nn.Module, key: str) -> None:
+    """``train.predict_with_generate`` needs a model with ``generate()``."""
+    can = getattr(model, "can_generate", None)
+    if not callable(getattr(model, "generate", None)) or (callable(can) and not can()):
+        raise ConfigError(f"train.predict_with_generate: the model ({key}, a {type(model).__name__}) cannot "
+                          "generate (it has no generate() or can_generate() is false); use a seq2seq or causal LM, "
+                          "or set predict_with_generate = false")
+
+
+# ---------------------------------------------------------------------------- labels
+
+
+def _id2label(train: TrainConfig) -> dict[int, str] | None:
+    """``train.id2label`` with int keys (TOML keys are strings), or inverted ``label2id``; checked."""
+    if train.id2label is not None:
+        try:
+            mapping = {int(key): str(name) for key, name in train.id2label.items()}
+        except ValueError:
+            raise ConfigError(f"train.id2label: keys are class ids (0, 1, ...), got {list(train.id2label)}") from None
+        if sorted(mapping) != list(range(len(mapping))):
+            raise ConfigError(f"train.id2label: expected ids 0 to {len(mapping) - 1}, got {sorted(mapping)}")
+        return mapping
+    if train.label2id is not None:
+        mapping = {int(i): name for name, i in train.label2id.items()}
+        if sorted(mapping) != list(range(len(train.label2id))):
+            raise ConfigError(f"train.label2id: expected ids 0 to {len(train.label2id) - 1} once each, "
+                              f"got {sorted(train.label2id.values())}")
+        return mapping
+    return None
+
+
+def label_ids_by_name(train: TrainConfig) -> dict[str, int] | None:
+    """The class ids that string labels in the data map to (``train.label2id`` or ``id2label``)."""
+    id2label = _id2label(train)
+    return None if id2label is None else {name: i for i, name in id2label.items()}
+
+
+def label_column(rows: Any, task: str, data: DataConfig, key: str, required: bool = True) -> str | None:
+    """The label column of ``rows`` (``data.label_column`` or the task's usual names)."""
+    from .data import column_names
+
+    names = column_names(rows)
+    wanted = (data.label_column,) if data.label_column else DEFAULT_LABEL_COLUMNS[task]
+    found = next((name for name in wanted if name in names), None)
+    if found is None and required:
+        what = f"{data.label_column!r} (data.label_column)" if data.label_column else " or ".join(map(repr, wanted))
+        raise ConfigError(f"data.label_column: {key} has no label column {what} for {task}; "
+                          f"its columns: {', '.join(names) or 'none'}")
+    return found
+
+
+def label_names(rows: Any, task: str, data: DataConfig) -> list[str] | None:
+    """The class names of a ``ClassLabel`` label column (a sequence of them for tags), else None."""
+    from .data import is_datasets_object
+
+    if task not in CLASSIFICATION or not is_datasets_object(rows) or not rows.features:
+        return None
+    column = label_column(rows, task, data, "", required=False)
+    feature = rows.features.get(column) if column else None
+    if task == TOKEN_CLASSIFICATION:
+        feature = getattr(feature, "feature", None)
+    return list(feature.names) if hasattr(feature, "names") else None
+
+
+def _label_values(dataset: Any) -> Any:
+    """The ``labels`` of a prepared datasets object as one flat numpy array (None: not countable here)."""
+    import pyarrow as pa
+
+    from .data import is_datasets_object
+
+    if not is_datasets_object(dataset) or not hasattr(dataset, "data") or "labels" not in dataset.column_names:
+        return None
+    column = dataset.data.column("labels").combine_chunks()
+    while isinstance(column, (pa.ListArray, pa.LargeListArray)):
+        column = column.flatten()
+    return column.to_numpy(zero_copy_only=False)
+
+
+def label_settings(train: TrainConfig, task: str, names: list[str] | None, dataset: Any) -> dict[str, Any]:
+    """num_labels, id2label, label2id and problem_type for a classifier built by the engine: from
+    ``[train]``, else the data's ClassLabel names, else the labels themselves (largest + 1; float
+    labels: one output, regression), as transformers' run_glue / run_ner decide."""
+    if task not in CLASSIFICATION:
+        return {}
+    id2label = _id2label(train) or (dict(enumerate(names)) if names else None)
+    num_labels = train.num_labels
+    problem_type = train.problem_type
+    if num_labels is None and id2label is not None:
+        num_labels = len(id2label)
+    if num_labels is None:
+        values = _label_values(dataset)
+        if values is None:
+            raise ConfigError("train.num_labels: the number of classes cannot be read from this data; set it")
+        if values.dtype.kind == "f":
+            num_labels, problem_type = 1, problem_type or "regression"
+        else:
+            values = values[values != IGNORE_INDEX]
+            num_labels = int(values.max()) + 1 if len(values) else 1
+    if id2label is not None and len(id2label) != num_labels:
+        raise ConfigError(f"train.num_labels = {num_labels}, but there are {len(id2label)} class names "
+                          "(train.id2label / label2id / the data's ClassLabel); make them agree")
+    settings: dict[str, Any] = {"num_labels": num_labels}
+    if id2label is not None:
+        settings.update(id2label=id2label, label2id={name: i for i, name in id2label.items()})
+    if problem_type:
+        settings["problem_type"] = problem_type
+    return settings
+
+
+def check_labels(dataset: Any, num_labels: int, key: str) -> None:
+    """Refuse class ids outside ``0 .. num_labels - 1`` (float labels: regression or multi-label, not ids)."""
+    values = _label_values(dataset)
+    if values is None or values.dtype.kind == "f" or num_labels == 1:
+        return
+    values = values[values != IGNORE_INDEX]
+    if not len(values):
+        return
+    low, high = int(values.min()), int(values.max())
+    if low < 0 or high >= num_labels:
+        bad = low if low < 0 else high
+        raise ConfigError(f"{key}: label {bad} is outside the model's {num_labels} classes (0 to {num_labels - 1}); "
+                          "set train.num_labels or id2label, or fix the labels")
+
+
+# ---------------------------------------------------------------------------- tokenizing
+
+
+def _strings(values: list[Any], column: str, key: str) -> list[str]:
+    bad = next((v for v in values if not isinstance(v, str)), None)
+    if bad is not None:
+        raise ConfigError(f"{key}: column {column!r} holds a {type(bad).__name__}, expected strings")
+    return values
+
+
+def _label_ids(values: list[Any], label2id: dict[str, int] | None, column: str, key: str) -> list[Any]:
+    """Labels as class ids: strings through ``label2id`` (``train.label2id``)."""
+    if not any(isinstance(v, str) for v in values):
+        return values
+    if label2id is None:
+        raise ConfigError(f"{key}: column {column!r} holds strings; set train.label2id = {{name = id, ...}}")
+    unknown = next((v for v in values if v not in label2id), None)
+    if unknown is not None:
+        raise ConfigError(f"{key}: label {unknown!r} is not in train.label2id ({', '.join(label2id)})")
+    return [label2id[v] for v in values]
+
+
+def _encode_sequences(batch: dict[str, list], *, tokenizer: Any, text: str, pair: str | None, label: str,
+                      label2id: dict[str, int] | None, max_length: int, key: str) -> dict[str, list]:
+    if not batch[text]:
+        return {"input_ids": [], "labels": []}
+    texts = [_strings(batch[text], text, key)] + ([_strings(batch[pair], pair, key)] if pair else [])
+    encoded = dict(tokenizer(*texts, truncation=True, max_length=max_length))
+    encoded["labels"] = _label_ids(batch[label], label2id, label, key)
+    return encoded
+
+
+def _begin_to_inside(label2id: dict[str, int] | None) -> dict[int, int]:
+    """run_ner's b_to_i_label: the id of each B-X tag -> the id of I-X (others unchanged)."""
+    if not label2id:
+        return {}
+    return {i: label2id.get("I-" + name[2:], i) for name, i in label2id.items() if name.startswith("B-")}
+
+
+def _encode_words(batch: dict[str, list], *, tokenizer: Any, tokens: str, tags: str, label2id: dict[str, int] | None,
+                  label_all_tokens: bool, max_length: int, key: str) -> dict[str, list]:
+    if not batch[tokens]:
+        return {"input_ids": [], "labels": []}
+    for words, word_tags in zip(batch[tokens], batch[tags]):
+        if not isinstance(words, list) or not isinstance(word_tags, list) or len(words) != len(word_tags):
+            raise ConfigError(f"{key}: columns {tokens!r} and {tags!r} must hold lists of equal length "
+                              "(one tag per word)")
+    encoding = tokenizer(batch[tokens], truncation=True, max_length=max_length, is_split_into_words=True)
+    inside = _begin_to_inside(label2id)
+    labels = []
+    for row, word_tags in enumerate(batch[tags]):
+        ids = _label_ids(word_tags, label2id, tags, key)
+        previous, aligned = None, []
+        for word in encoding.word_ids(batch_index=row):
+            if word is None:
+                aligned.append(IGNORE_INDEX)
+            elif word != previous:
+                aligned.append(ids[word])
+            else:
+                aligned.append(inside.get(ids[word], ids[word]) if label_all_tokens else IGNORE_INDEX)
+            previous = word
+        labels.append(aligned)
+    return {**encoding, "labels": labels}
+
+
+def _encode_pairs(batch: dict[str, list], *, tokenizer: Any, source: str, target: str, max_length: int,
+                  max_target_length: int, append_eos: bool, key: str) -> dict[str, list]:
+    if not batch[source]:
+        return {"input_ids": [], "labels": []}
+    encoded = dict(tokenizer(_strings(batch[source], source, key), truncation=True, max_length=max_length))
+    targets = _strings(batch[target], target, key)
+    if append_eos:  # a tokenizer that adds no eos itself: the model must still learn where targets end
+        ids = tokenizer(text_target=targets, truncation=True, max_length=max_target_length - 1)["input_ids"]
+        encoded["labels"] = [row + [tokenizer.eos_token_id] for row in ids]
+    else:
+        encoded["labels"] = tokenizer(text_target=targets, truncation=True, max_length=max_target_length)["input_ids"]
+    return encoded
+
+
+def _require(rows: Any, columns: list[tuple[str, str]], task: str, key: str) -> None:
+    from .data import column_names
+
+    names = column_names(rows)
+    for option, column in columns:
+        if column not in names:
+            raise ConfigError(f"data.{option}: {key} has no column {column!r} for {task}; "
+                              f"its columns: {', '.join(names) or 'none'}")
+
+
+def prepare(rows: Any, task: str, data: DataConfig, tokenizer: Any, key: str, pipeline: Any,
+            label2id: dict[str, int] | None) -> Any:
+    """The rows of a classification or seq2seq task tokenized (see the module docstring)."""
+    if task == SEQUENCE_CLASSIFICATION:
+        label = label_column(rows, task, data, key)
+        _require(rows, [("text_column", data.text_column)] +
+                 ([("text_pair_column", data.text_pair_column)] if data.text_pair_column else []), task, key)
+        return pipeline.map(rows, _encode_sequences, "tokenize for sequence classification", tokenizer=tokenizer,
+                            text=data.text_column, pair=data.text_pair_column, label=label, label2id=label2id,
+                            max_length=data.max_length, key=key)
+    if task == TOKEN_CLASSIFICATION:
+        tags = label_column(rows, task, data, key)
+        _require(rows, [("tokens_column", data.tokens_column)], task, key)
+        if not getattr(tokenizer, "is_fast", False):
+            raise ConfigError(f"{key}: token classification needs a fast tokenizer (word_ids align the tags)")
+        return pipeline.map(rows, _encode_words, "tokenize and align tags", tokenizer=tokenizer,
+                            tokens=data.tokens_column, tags=tags, label2id=label2id,
+                            label_all_tokens=data.label_all_tokens, max_length=data.max_length, key=key)
+    _require(rows, [("source_column", data.source_column), ("target_column", data.target_column)], task, key)
+    eos = tokenizer.eos_token_id
+    append_eos = eos is not None and tokenizer(text_target="x")["input_ids"][-1:] != [eos]
+    return pipeline.map(rows, _encode_pairs, "tokenize source and target", tokenizer=tokenizer,
+                        source=data.source_column, target=data.target_column, max_length=data.max_length,
+                        max_target_length=data.max_target_length or data.max_length, append_eos=append_eos, key=key)
+
+
+def tokenizer_texts(rows: Any, task: str, data: DataConfig) -> Iterator[list[str]]:
+    """Batches of the task's text, for training a tokenizer on it."""
+    from .data import text_batches
+
+    if task == SEQUENCE_CLASSIFICATION:
+        yield from text_batches(rows, data.text_column)
+        if data.text_pair_column:
+            yield from text_batches(rows, data.text_pair_column)
+    elif task == TOKEN_CLASSIFICATION:
+        for batch in rows.iter(batch_size=1000):
+            yield [" ".join(map(str, words)) for words in batch[data.tokens_column]]
+    else:
+        yield from text_batches(rows, data.source_column)
+        yield from text_batches(rows, data.target_column)
+
+
+def text_columns(task: str, data: DataConfig) -> list[str]:
+    """The columns a tokenizer for ``task`` learns from."""
+    return {SEQUENCE_CLASSIFICATION: [data.text_column, *([data.text_pair_column] if data.text_pair_column else [])],
+            TOKEN_CLASSIFICATION: [data.tokens_column],
+            SEQ2SEQ: [data.source_column, data.target_column]}.get(task, [data.text_column])
+
+
+# ---------------------------------------------------------------------------- collators
+
+
+class _AsDict:
+    """A transformers collator whose BatchEncoding comes back as a plain dict of tensors."""
+
+    def __init__(self, collator: Callable[[list[Any]], Any]):
+        self.collator = collator
+
+    def __call__(self, features: list[Any]) -> dict[str, torch.Tensor]:
+        return dict(self.collator(features))
+
+
+def collator(task: str, tokenizer: Any, model: torch.nn.Module | None) -> Callable[[list[Any]], Any] | None:
+    """transformers' padding collator for ``task`` (None: the engine's default collator)."""
+    if task == CAUSAL_LM or tokenizer is None:
+        return None
+    import transformers
+
+    if task == SEQUENCE_CLASSIFICATION:
+        return _AsDict(transformers.DataCollatorWithPadding(tokenizer))
+    if task == TOKEN_CLASSIFICATION:
+        return _AsDict(transformers.DataCollatorForTokenClassification(tokenizer))
+    seq2seq_model = model if callable(getattr(model, "prepare_decoder_input_ids_from_labels", None)) else None
+    return _AsDict(transformers.DataCollatorForSeq2Seq(tokenizer, model=seq2seq_model))
+
+
+# ---------------------------------------------------------------------------- generation
+
+
+def generation_config(train: TrainConfig, model: torch.nn.Module) -> Any:
+    """The GenerationConfig evaluation generates with: ``train.generation_config`` (a folder replaces
+    the model's, a table updates a copy of it), then ``generation_max_length`` / ``generation_num_beams``."""
+    import copy
+
+    from transformers import GenerationConfig
+
+    spec = train.generation_config
+    if isinstance(spec, str):
+        try:
+            config = GenerationConfig.from_pretrained(spec)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"train.generation_config: no generation_config.json to read in {spec}: "
+                              f"{str(exc).splitlines()[0]}") from None
+    else:
+        config = copy.deepcopy(getattr(model, "generation_config", None) or GenerationConfig())
+        if spec:
+            known = GenerationConfig().to_dict()
+            unknown = sorted(name for name in spec if name not in known)
+            if unknown:
+                raise ConfigError(f"train.generation_config: GenerationConfig has no key {unknown[0]!r}")
+            config.update(**spec)
+    if train.generation_max_length is not None:
+        config.max_length = train.generation_max_length
+        config.max_new_tokens = None
+    if train.generation_num_beams is not None:
+        config.num_beams = train.generation_num_beams
+    return config
+
+
+def generate(model: torch.nn.Module, batch: dict[str, torch.Tensor], config: Any, pad_token_id: int) -> torch.Tensor:
+    """Generated ids for ``batch`` as Seq2SeqTrainer's prediction_step makes them: from the batch's
+    inputs (not its labels, nor decoder inputs made from them), right-padded with ``pad_token_id``
+    to the generation's max_length (or max_new_tokens + 1)."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    labels = batch.get("labels")
+    if labels is not None and "decoder_input_ids" in inputs and inputs["decoder_input_ids"].shape == labels.shape:
+        inputs = {k: v for k, v in inputs.items() if k not in ("decoder_input_ids", "decoder_attention_mask")}
+    generated = model.generate(**inputs, generation_config=config)
+    width = config.max_length if config.max_new_tokens is None else config.max_new_tokens + 1
+    if width is not None and generated.shape[-1] < width:
+        padded = generated.new_full((generated.shape[0], width), pad_token_id)
+        padded[:, : generated.shape[-1]] = generated
+        generated = padded
+    return generated
