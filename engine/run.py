@@ -327,14 +327,24 @@ class Run:
         from .loop import evaluate
 
         self.setup()
-        return evaluate(self, eval_dataset, metric_key_prefix)
+        return evaluate(self, self._prepared(eval_dataset, "eval_dataset"), metric_key_prefix)
 
     def predict(self, dataset: Any, metric_key_prefix: str = "test") -> PredictionOutput:
         """Predictions (logits), label ids and metrics over ``dataset``, like ``Trainer.predict``."""
         from .loop import predict
 
         self.setup()
-        return predict(self, dataset, metric_key_prefix)
+        return predict(self, self._prepared(dataset, "dataset"), metric_key_prefix)
+
+    def _prepared(self, dataset: Any, key: str) -> Any:
+        """Rows of a datasets object tokenized as the run's data is (others as they are)."""
+        from .data import prepare_given
+        from .tasks import label_ids_by_name
+
+        if dataset is None:
+            return None
+        return prepare_given(dataset, self.config.data, self.tokenizer, key, self.task,
+                             label_ids_by_name(self.config.train))
 
     def plan(self) -> str:
         """The composed run as text: plugins, hook call order, the full config."""
