@@ -345,11 +345,7 @@ def build_tokenizer(data: DataConfig, model_source: str, rows: Any = None,
     if task != "causal-lm":
         from . import tasks
 
-        missing = [c for c in tasks.text_columns(task, data) if c not in column_names(rows)]
-        if missing:
-            raise ConfigError(f"data.tokenizer = {data.tokenizer!r} trains a tokenizer on the {task} column "
-                              f"{missing[0]!r}, which data.train lacks (its columns: {', '.join(column_names(rows))}); "
-                              "set the column, or data.tokenizer to a tokenizer folder")
+        tasks.check_columns(rows, task, data, "data.train")
         if data.streaming:
             rows = rows.take(STREAMING_TOKENIZER_ROWS)
         return train_tokenizer(tasks.tokenizer_texts(rows, task, data), data.tokenizer_vocab_size)

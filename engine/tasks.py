@@ -298,11 +298,17 @@ def _encode_pairs(batch: dict[str, list], *, tokenizer: Any, source: str, target
     return encoded
 
 
-def _require(rows: Any, columns: list[tuple[str, str]], task: str, key: str) -> None:
+def check_columns(rows: Any, task: str, data: DataConfig, key: str) -> None:
+    """Refuse rows without the columns ``task`` reads, naming the option and the columns there are."""
     from .data import column_names
 
+    if task in CLASSIFICATION:
+        label_column(rows, task, data, key)
+    options = {SEQUENCE_CLASSIFICATION: ["text_column", *(["text_pair_column"] if data.text_pair_column else [])],
+               TOKEN_CLASSIFICATION: ["tokens_column"], SEQ2SEQ: ["source_column", "target_column"]}[task]
     names = column_names(rows)
-    for option, column in columns:
+    for option in options:
+        column = getattr(data, option)
         if column not in names:
             raise ConfigError(f"data.{option}: {key} has no column {column!r} for {task}; "
                               f"its columns: {', '.join(names) or 'none'}")
@@ -311,22 +317,19 @@ def _require(rows: Any, columns: list[tuple[str, str]], task: str, key: str) -> 
 def prepare(rows: Any, task: str, data: DataConfig, tokenizer: Any, key: str, pipeline: Any,
             label2id: dict[str, int] | None) -> Any:
     """The rows of a classification or seq2seq task tokenized (see the module docstring)."""
+    check_columns(rows, task, data, key)
     if task == SEQUENCE_CLASSIFICATION:
         label = label_column(rows, task, data, key)
-        _require(rows, [("text_column", data.text_column)] +
-                 ([("text_pair_column", data.text_pair_column)] if data.text_pair_column else []), task, key)
         return pipeline.map(rows, _encode_sequences, "tokenize for sequence classification", tokenizer=tokenizer,
                             text=data.text_column, pair=data.text_pair_column, label=label, label2id=label2id,
                             max_length=data.max_length, key=key)
     if task == TOKEN_CLASSIFICATION:
         tags = label_column(rows, task, data, key)
-        _require(rows, [("tokens_column", data.tokens_column)], task, key)
         if not getattr(tokenizer, "is_fast", False):
             raise ConfigError(f"{key}: token classification needs a fast tokenizer (word_ids align the tags)")
         return pipeline.map(rows, _encode_words, "tokenize and align tags", tokenizer=tokenizer,
                             tokens=data.tokens_column, tags=tags, label2id=label2id,
                             label_all_tokens=data.label_all_tokens, max_length=data.max_length, key=key)
-    _require(rows, [("source_column", data.source_column), ("target_column", data.target_column)], task, key)
     eos = tokenizer.eos_token_id
     append_eos = eos is not None and tokenizer(text_target="x")["input_ids"][-1:] != [eos]
     return pipeline.map(rows, _encode_pairs, "tokenize source and target", tokenizer=tokenizer,
@@ -348,13 +351,6 @@ def tokenizer_texts(rows: Any, task: str, data: DataConfig) -> Iterator[list[str
     else:
         yield from text_batches(rows, data.source_column)
         yield from text_batches(rows, data.target_column)
-
-
-def text_columns(task: str, data: DataConfig) -> list[str]:
-    """The columns a tokenizer for ``task`` learns from."""
-    return {SEQUENCE_CLASSIFICATION: [data.text_column, *([data.text_pair_column] if data.text_pair_column else [])],
-            TOKEN_CLASSIFICATION: [data.tokens_column],
-            SEQ2SEQ: [data.source_column, data.target_column]}.get(task, [data.text_column])
 
 
 # ---------------------------------------------------------------------------- collators

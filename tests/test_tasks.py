@@ -226,3 +226,136 @@ def test_seq2seq_matches_seq2seq_trainer_with_generated_ids(tmp_path):
     np.testing.assert_array_equal(seen[-1], theirs.predictions)
     assert ours.metrics["test_loss"] == pytest.approx(theirs.metrics["test_loss"], abs=1e-5)
     assert evaluated["eval_width"] == 20 and evaluated["eval_loss"] == ours.metrics["test_loss"]
+
+
+# ---------------------------------------------------------------------------- run files
+
+
+def test_each_example_run_file_plans_trains_and_loads_with_its_auto_class(tmp_path, monkeypatch, capfd):
+    from engine.cli import main
+
+    monkeypatch.chdir(ROOT)  # the run files name their data and configs from the repository root
+    expected = {"sequence_classification": (transformers.AutoModelForSequenceClassification, "eval_accuracy"),
+                "token_classification": (transformers.AutoModelForTokenClassification, "eval_f1"),
+                "seq2seq": (transformers.AutoModelForSeq2SeqLM, "eval_exact_match")}
+    for name, (auto_class, metric) in expected.items():
+        path = EXAMPLES / f"{name}.toml"
+        assert main(["plan", str(path)]) == 0
+        assert f'task = "{name.replace("_", "-")}"' in capfd.readouterr().out.replace("seq2seq", "seq2seq")
+        out = tmp_path / name
+        assert main(["train", str(path), "--set", f"train.output_dir={out}", "--set", "train.max_steps=2",
+                     "--set", "train.eval_steps=2", "--set", "train.save_steps=2", "--set", "train.disable_tqdm=true",
+                     "--set", "train.generation_max_length=6" if name == "seq2seq" else "train.seed=42"]) == 0
+        logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert any(metric in entry for entry in logged) and any("eval_loss" in entry for entry in logged)
+        model = auto_class.from_pretrained(out)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+        inputs = tokenizer(["great day"], return_tensors="pt")
+        if name == "seq2seq":
+            assert model.generate(**inputs, max_length=5).shape[0] == 1
+        else:
+            assert model(**inputs).logits.shape[-1] == model.config.num_labels
+    classifier = transformers.AutoConfig.from_pretrained(tmp_path / "sequence_classification")
+    tagger = transformers.AutoConfig.from_pretrained(tmp_path / "token_classification")
+    assert classifier.id2label == {0: "negative", 1: "neutral", 2: "positive"}
+    assert tagger.id2label[3] == "B-PLACE" and tagger.num_labels == 5
+
+
+# ---------------------------------------------------------------------------- resume
+
+
+def test_classification_and_seq2seq_resume_exactly(tmp_path):
+    sentiment = rows("sentiment.jsonl", 40)
+    tokenizer = tokenizer_for(sentiment["text"])
+
+    def bert(seed):
+        torch.manual_seed(seed)  # dropout on: the resumed run's RNG must be restored too
+        return transformers.BertForSequenceClassification(transformers.BertConfig(
+            vocab_size=len(tokenizer), num_labels=3, pad_token_id=tokenizer.pad_token_id, **{
+                **BERT, "hidden_dropout_prob": 0.1, "max_position_embeddings": 128}))  # data.max_length 128
+
+    evaluated = {"eval_strategy": "steps", "eval_steps": 2}
+    check = assert_resume_is_exact(4, 2, tmp_path / "classifier", make_model=bert, dataset=sentiment,
+                                   eval_dataset=sentiment.select(range(8)), tokenizer=tokenizer, data_collator=None,
+                                   compute_metrics=accuracy, train=evaluated)
+    assert any("eval_accuracy" in entry for entry in check.resumed.state.log_history)
+
+    reversals = rows("reversals.jsonl", 24)
+    tokenizer = tokenizer_for(list(reversals["source"]) + list(reversals["target"]))
+
+    def t5(seed):
+        torch.manual_seed(seed)
+        return transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+            decoder_start_token_id=tokenizer.pad_token_id, **T5))
+
+    def width(prediction):
+        return {"generated_width": float(prediction.predictions.shape[1])}
+
+    check = assert_resume_is_exact(4, 2, tmp_path / "seq2seq", make_model=t5, dataset=reversals,
+                                   eval_dataset=reversals.select(range(4)), tokenizer=tokenizer, data_collator=None,
+                                   compute_metrics=width, train={**evaluated, "predict_with_generate": True,
+                                                                 "generation_max_length": 6})
+    assert check.resumed.task == "seq2seq"
+    assert [e["eval_generated_width"] for e in check.resumed.state.log_history if "eval_loss" in e] == [6.0, 6.0]
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def test_bad_task_inputs_are_one_line_exit_2_before_training(tmp_path, monkeypatch, capfd):
+    from engine.cli import main
+    from engine.config import to_toml
+
+    monkeypatch.chdir(ROOT)
+    (tmp_path / "texts.jsonl").write_text("".join(json.dumps({"text": f"day {i}"}) + "\n" for i in range(16)))
+    (tmp_path / "sources.jsonl").write_text("".join(json.dumps({"source": f"day {i}"}) + "\n" for i in range(16)))
+    bert, t5 = "examples/configs/bert-tiny.json", "examples/configs/t5-tiny.json"
+    cases = [
+        ({"task": "sequence-classification", "model": bert, "num_labels": 2}, "examples/data/sentiment.jsonl",
+         "data.train: label 2 is outside the model's 2 classes (0 to 1); set train.num_labels or id2label"),
+        ({"task": "sequence-classification", "model": bert}, str(tmp_path / "texts.jsonl"),
+         "data.label_column: data.train has no label column 'label' or 'labels' for sequence-classification; "
+         "its columns: text"),
+        ({"task": "seq2seq", "model": t5}, str(tmp_path / "sources.jsonl"),
+         "data.target_column: data.train has no column 'target' for seq2seq; its columns: source"),
+        ({"task": "sequence-classification", "model": bert, "predict_with_generate": True},
+         "examples/data/sentiment.jsonl",
+         "train.predict_with_generate: a sequence-classification model cannot generate"),
+        ({"model": "tiny-llama", "predict_with_generate": True, "task": "token-classification"},
+         "examples/data/entities.jsonl", "train.predict_with_generate: a token-classification model cannot generate"),
+    ]
+    for index, (train, data, message) in enumerate(cases):
+        out = tmp_path / f"out{index}"
+        path = tmp_path / f"run{index}.toml"
+        path.write_text(to_toml({"train": {**train, "output_dir": str(out), "max_steps": 2},
+                                 "data": {"train": data, "tokenizer": "train", "tokenizer_vocab_size": 300,
+                                          "max_length": 16}}))
+        assert main(["train", str(path)]) == 2, message
+        err = capfd.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("engine: error: " + message), err
+        assert not (out / "metrics.jsonl").exists()
+
+
+def test_a_model_that_cannot_generate_is_refused_and_a_python_classifier_trains_on_scalar_labels(tmp_path):
+    """The issue's first case: a 3-label BertForSequenceClassification given in Python, rows of input_ids,
+    attention_mask and a scalar label, the default collator."""
+    data = [{"input_ids": list(range(1 + i % 5, 9)), "attention_mask": [1] * (8 - i % 5), "labels": i % 3}
+            for i in range(16)]
+
+    def bert():
+        torch.manual_seed(0)
+        return transformers.BertForSequenceClassification(transformers.BertConfig(vocab_size=32, num_labels=3,
+                                                                                   **BERT))
+
+    config = {"train": {"max_steps": 2, "per_device_train_batch_size": 4, "output_dir": str(tmp_path),
+                        "save_strategy": "no", "disable_tqdm": True}, "data": {"max_length": 16}}
+    run = engine.Run(config, model=bert(), train_dataset=data)
+    run.train()
+    assert run.task == "sequence-classification" and run.state.global_step == 2
+    with pytest.raises(engine.ConfigError, match=r"^train\.predict_with_generate: a sequence-classification model "
+                                                 r"cannot generate"):
+        engine.Run({**config, "train": {**config["train"], "predict_with_generate": True}}, model=bert())
+    with pytest.raises(engine.ConfigError, match=r"^train\.task = 'seq2seq', but the model given is a "
+                                                 r"BertForSequenceClassification \(sequence-classification\)"):
+        engine.Run({**config, "train": {**config["train"], "task": "seq2seq"}}, model=bert())
