@@ -796,7 +796,6 @@ class Datasets(NamedTuple):
     train: Any
     eval: Any = None
     collator: Callable[[list[Any]], Any] | None = None
-    label_names: list[str] | None = None  # classification: the class names of the data's ClassLabel
 
 
 def _call_source(spec: str, key: str, tokenizer: PreTrainedTokenizerBase) -> Any:
@@ -818,23 +817,18 @@ def build_datasets(data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: i
                    rank: int = 0, world_size: int = 1, task: str = "causal-lm",
                    label2id: dict[str, int] | None = None) -> Datasets:
     """The train dataset, the eval dataset (or None) and the collator for ``data``, tokenized for
-    ``task`` (string labels mapped with ``label2id``); a classification's ClassLabel names.
+    ``task`` (string labels mapped with ``label2id``).
 
     With ``data.streaming`` the train data is a :class:`ResumableStream` over this process's
     shard (``rank`` of ``world_size``), shuffled through a buffer of
     ``data.shuffle_buffer_size`` examples seeded by ``seed`` (``shuffle``).
     """
-    from .tasks import label_names
-
     check_config(data)
-    names = []  # data.train's ClassLabel names, when it has them
 
     def from_source(source: str, key: str, split: str | None = None) -> Any:
         if is_callable_spec(source):
             return prepare_given(_call_source(source, key, tokenizer), data, tokenizer, key, task, label2id)
         rows = load_source(source, data, key, split)
-        if key == "data.train":
-            names.append(label_names(rows, task, data))
         if data.streaming and world_size > 1:
             from datasets.distributed import split_dataset_by_node
 
@@ -854,13 +848,11 @@ def build_datasets(data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: i
         if data.streaming:
             raise ConfigError("data.eval_split: holds out documents of a dataset with a length, but data.streaming "
                               "is true; set data.eval instead")
-        rows = load_source(data.train, data, "data.train")
-        names.append(label_names(rows, task, data))
-        train_rows, eval_rows = _split(rows, data.eval_split, seed)
+        train_rows, eval_rows = _split(load_source(data.train, data, "data.train"), data.eval_split, seed)
         train = prepare(train_rows, data, tokenizer, "data.train", task, label2id)
         evaluation = prepare(eval_rows, data, tokenizer, "data.eval_split", task, label2id)
     collator = collator_for(data, tokenizer) if task == "causal-lm" else None  # the run's task collator
-    return Datasets(train, evaluation, collator, names[0] if names else None)
+    return Datasets(train, evaluation, collator)
 
 
 class ResumableStream(torch.utils.data.IterableDataset):

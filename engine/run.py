@@ -181,13 +181,11 @@ class Run:
             built = self.hook.create_datasets(run=self)
             if not isinstance(built, data_mod.Datasets):
                 raise ConfigError(f"create_datasets returned a {type(built).__name__}, expected engine.data.Datasets")
-            label_names = built.label_names or tasks.label_names(built.train, task, data)
             self.train_dataset = data_mod.prepare_given(built.train, data, self.tokenizer, "train dataset", task,
                                                         label2id)
             self.eval_dataset = self.eval_dataset if self.eval_dataset is not None else built.eval
             self.data_collator = self.data_collator or built.collator
         else:
-            label_names = tasks.label_names(given, task, data)
             self.train_dataset = data_mod.prepare_given(given, data, self.tokenizer, "train_dataset", task, label2id)
         self.eval_dataset = data_mod.prepare_given(self.eval_dataset, data, self.tokenizer, "eval_dataset", task,
                                                    label2id)
@@ -197,7 +195,8 @@ class Run:
             self.compute_metrics = load_callable(train.compute_metrics, "train.compute_metrics")
             self.compute_metrics_key = "train.compute_metrics"
         if self.model is None:
-            labels = tasks.label_settings(train, task, label_names, self.train_dataset)
+            labels = tasks.label_settings(train, task, tasks.label_names(self.train_dataset, task),
+                                          self.train_dataset)
             with self.strategy.model_init_context():
                 self.model = build_model(train, self.tokenizer, labels)
             self._check_model("train.model")

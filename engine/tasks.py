@@ -132,31 +132,35 @@ def label_ids_by_name(train: TrainConfig) -> dict[str, int] | None:
     return None if id2label is None else {name: i for i, name in id2label.items()}
 
 
-def label_column(rows: Any, task: str, data: DataConfig, key: str, required: bool = True) -> str | None:
+def label_column(rows: Any, task: str, data: DataConfig, key: str) -> str:
     """The label column of ``rows`` (``data.label_column`` or the task's usual names)."""
     from .data import column_names
 
     names = column_names(rows)
     wanted = (data.label_column,) if data.label_column else DEFAULT_LABEL_COLUMNS[task]
     found = next((name for name in wanted if name in names), None)
-    if found is None and required:
+    if found is None:
         what = f"{data.label_column!r} (data.label_column)" if data.label_column else " or ".join(map(repr, wanted))
         raise ConfigError(f"data.label_column: {key} has no label column {what} for {task}; "
                           f"its columns: {', '.join(names) or 'none'}")
     return found
 
 
-def label_names(rows: Any, task: str, data: DataConfig) -> list[str] | None:
-    """The class names of a ``ClassLabel`` label column (a sequence of them for tags), else None."""
-    from .data import is_datasets_object
-
-    if task not in CLASSIFICATION or not is_datasets_object(rows) or not rows.features:
-        return None
-    column = label_column(rows, task, data, "", required=False)
-    feature = rows.features.get(column) if column else None
+def _class_names(feature: Any, task: str) -> list[str] | None:
+    """The names of a ``ClassLabel`` feature (a list of them for tags), else None."""
     if task == TOKEN_CLASSIFICATION:
         feature = getattr(feature, "feature", None)
     return list(feature.names) if hasattr(feature, "names") else None
+
+
+def label_names(dataset: Any, task: str) -> list[str] | None:
+    """The class names a prepared dataset's ``labels`` (or ``label``) column carries as a ClassLabel."""
+    from .data import is_datasets_object
+
+    if task not in CLASSIFICATION or not is_datasets_object(dataset) or not dataset.features:
+        return None
+    column = next((name for name in ("labels", "label") if name in dataset.features), None)
+    return _class_names(dataset.features[column], task) if column else None
 
 
 def _label_values(dataset: Any) -> Any:
@@ -316,25 +320,29 @@ def check_columns(rows: Any, task: str, data: DataConfig, key: str) -> None:
 
 def prepare(rows: Any, task: str, data: DataConfig, tokenizer: Any, key: str, pipeline: Any,
             label2id: dict[str, int] | None) -> Any:
-    """The rows of a classification or seq2seq task tokenized (see the module docstring)."""
+    """The rows of a classification or seq2seq task tokenized (see the module docstring). The class
+    names of a ClassLabel label column stay with the ``labels`` (:func:`label_names`)."""
     check_columns(rows, task, data, key)
+    if task == SEQ2SEQ:
+        eos = tokenizer.eos_token_id
+        append_eos = eos is not None and tokenizer(text_target="x")["input_ids"][-1:] != [eos]
+        return pipeline.map(rows, _encode_pairs, "tokenize source and target", tokenizer=tokenizer,
+                            source=data.source_column, target=data.target_column, max_length=data.max_length,
+                            max_target_length=data.max_target_length or data.max_length, append_eos=append_eos,
+                            key=key)
+    label = label_column(rows, task, data, key)
     if task == SEQUENCE_CLASSIFICATION:
-        label = label_column(rows, task, data, key)
-        return pipeline.map(rows, _encode_sequences, "tokenize for sequence classification", tokenizer=tokenizer,
-                            text=data.text_column, pair=data.text_pair_column, label=label, label2id=label2id,
-                            max_length=data.max_length, key=key)
-    if task == TOKEN_CLASSIFICATION:
-        tags = label_column(rows, task, data, key)
+        encoded = pipeline.map(rows, _encode_sequences, "tokenize for sequence classification", tokenizer=tokenizer,
+                               text=data.text_column, pair=data.text_pair_column, label=label, label2id=label2id,
+                               max_length=data.max_length, key=key)
+    else:
         if not getattr(tokenizer, "is_fast", False):
             raise ConfigError(f"{key}: token classification needs a fast tokenizer (word_ids align the tags)")
-        return pipeline.map(rows, _encode_words, "tokenize and align tags", tokenizer=tokenizer,
-                            tokens=data.tokens_column, tags=tags, label2id=label2id,
-                            label_all_tokens=data.label_all_tokens, max_length=data.max_length, key=key)
-    eos = tokenizer.eos_token_id
-    append_eos = eos is not None and tokenizer(text_target="x")["input_ids"][-1:] != [eos]
-    return pipeline.map(rows, _encode_pairs, "tokenize source and target", tokenizer=tokenizer,
-                        source=data.source_column, target=data.target_column, max_length=data.max_length,
-                        max_target_length=data.max_target_length or data.max_length, append_eos=append_eos, key=key)
+        encoded = pipeline.map(rows, _encode_words, "tokenize and align tags", tokenizer=tokenizer,
+                               tokens=data.tokens_column, tags=label, label2id=label2id,
+                               label_all_tokens=data.label_all_tokens, max_length=data.max_length, key=key)
+    feature = rows.features[label] if rows.features else None
+    return encoded.cast_column("labels", feature) if _class_names(feature, task) else encoded
 
 
 def tokenizer_texts(rows: Any, task: str, data: DataConfig) -> Iterator[list[str]]:

@@ -359,3 +359,24 @@ def test_a_model_that_cannot_generate_is_refused_and_a_python_classifier_trains_
     with pytest.raises(engine.ConfigError, match=r"^train\.task = 'seq2seq', but the model given is a "
                                                  r"BertForSequenceClassification \(sequence-classification\)"):
         engine.Run({**config, "train": {**config["train"], "task": "seq2seq"}}, model=bert())
+
+
+def test_class_names_come_from_a_classlabel_column(tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.chdir(ROOT)
+    names, tags = ["bad", "good"], ["O", "B-X", "I-X"]
+    rows_ = datasets.Dataset.from_list([{"text": f"day {i}", "label": i % 2, "tokens": ["day", str(i)],
+                                         "tags": [0, 1 + i % 2]} for i in range(8)])
+    features = rows_.features.copy()
+    features["label"] = datasets.ClassLabel(names=names)
+    features["tags"] = datasets.List(datasets.ClassLabel(names=tags))
+    rows_ = rows_.cast(features)
+    for task, expected in (("sequence-classification", names), ("token-classification", tags)):
+        run = engine.Run({"train": {"task": task, "model": "examples/configs/bert-tiny.json", "max_steps": 1,
+                                    "output_dir": str(tmp_path / task)},
+                          "data": {"tokenizer": "train", "tokenizer_vocab_size": 300, "max_length": 8}},
+                         train_dataset=rows_)
+        run.setup()
+        assert run.model.config.id2label == dict(enumerate(expected)), task
+        assert run.model.config.label2id == {name: i for i, name in enumerate(expected)}
