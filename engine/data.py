@@ -343,12 +343,10 @@ def build_tokenizer(data: DataConfig, model_source: str, rows: Any = None,
                               "set data.tokenizer to a tokenizer folder")
         rows = load_source(data.train, data, "data.train")
     if task != "causal-lm":
-        from . import tasks
-
-        tasks.check_columns(rows, task, data, "data.train")
+        check_columns(rows, task, data, "data.train")
         if data.streaming:
             rows = rows.take(STREAMING_TOKENIZER_ROWS)
-        return train_tokenizer(tasks.tokenizer_texts(rows, task, data), data.tokenizer_vocab_size)
+        return train_tokenizer(tokenizer_texts(rows, task, data), data.tokenizer_vocab_size)
     if data_kind(rows, data, "data.train") != "text":
         raise ConfigError(f"data.tokenizer = {data.tokenizer!r} trains a tokenizer on the text column "
                           f"{data.text_column!r}, which data.train lacks; set data.tokenizer to a tokenizer folder")
@@ -497,6 +495,166 @@ def _pack_documents(batch: dict[str, list], *, length: int) -> dict[str, list]:
     return out
 
 
+# ---------------------------------------------------------------------------- other tasks' rows
+
+DEFAULT_LABEL_COLUMNS = {"sequence-classification": ("label", "labels"),
+                         "token-classification": ("tags", "ner_tags", "labels")}
+
+
+def _strings(values: list[Any], column: str, key: str) -> list[str]:
+    bad = next((v for v in values if not isinstance(v, str)), None)
+    if bad is not None:
+        raise ConfigError(f"{key}: column {column!r} holds a {type(bad).__name__}, expected strings")
+    return values
+
+
+def _label_ids(values: list[Any], label2id: dict[str, int] | None, column: str, key: str) -> list[Any]:
+    """Labels as class ids: strings through ``label2id`` (``train.label2id``)."""
+    if not any(isinstance(v, str) for v in values):
+        return values
+    if label2id is None:
+        raise ConfigError(f"{key}: column {column!r} holds strings; set train.label2id = {{name = id, ...}}")
+    unknown = next((v for v in values if v not in label2id), None)
+    if unknown is not None:
+        raise ConfigError(f"{key}: label {unknown!r} is not in train.label2id ({', '.join(label2id)})")
+    return [label2id[v] for v in values]
+
+
+def _encode_sequences(batch: dict[str, list], *, tokenizer: Any, text: str, pair: str | None, label: str,
+                      label2id: dict[str, int] | None, max_length: int, key: str) -> dict[str, list]:
+    if not batch[text]:
+        return {"input_ids": [], "labels": []}
+    texts = [_strings(batch[text], text, key)] + ([_strings(batch[pair], pair, key)] if pair else [])
+    encoded = dict(tokenizer(*texts, truncation=True, max_length=max_length))
+    encoded["labels"] = _label_ids(batch[label], label2id, label, key)
+    return encoded
+
+
+def _begin_to_inside(label2id: dict[str, int] | None) -> dict[int, int]:
+    """run_ner's b_to_i_label: the id of each B-X tag -> the id of I-X (others unchanged)."""
+    if not label2id:
+        return {}
+    return {i: label2id.get("I-" + name[2:], i) for name, i in label2id.items() if name.startswith("B-")}
+
+
+def _encode_words(batch: dict[str, list], *, tokenizer: Any, tokens: str, tags: str, label2id: dict[str, int] | None,
+                  label_all_tokens: bool, max_length: int, key: str) -> dict[str, list]:
+    if not batch[tokens]:
+        return {"input_ids": [], "labels": []}
+    for words, word_tags in zip(batch[tokens], batch[tags]):
+        if not isinstance(words, list) or not isinstance(word_tags, list) or len(words) != len(word_tags):
+            raise ConfigError(f"{key}: columns {tokens!r} and {tags!r} must hold lists of equal length "
+                              "(one tag per word)")
+    encoding = tokenizer(batch[tokens], truncation=True, max_length=max_length, is_split_into_words=True)
+    inside = _begin_to_inside(label2id)
+    labels = []
+    for row, word_tags in enumerate(batch[tags]):
+        ids = _label_ids(word_tags, label2id, tags, key)
+        previous, aligned = None, []
+        for word in encoding.word_ids(batch_index=row):
+            if word is None:
+                aligned.append(IGNORE_INDEX)
+            elif word != previous:
+                aligned.append(ids[word])
+            else:
+                aligned.append(inside.get(ids[word], ids[word]) if label_all_tokens else IGNORE_INDEX)
+            previous = word
+        labels.append(aligned)
+    return {**encoding, "labels": labels}
+
+
+def _encode_pairs(batch: dict[str, list], *, tokenizer: Any, source: str, target: str, max_length: int,
+                  max_target_length: int, append_eos: bool, key: str) -> dict[str, list]:
+    if not batch[source]:
+        return {"input_ids": [], "labels": []}
+    encoded = dict(tokenizer(_strings(batch[source], source, key), truncation=True, max_length=max_length))
+    targets = _strings(batch[target], target, key)
+    if append_eos:  # a tokenizer that adds no eos itself: the model must still learn where targets end
+        ids = tokenizer(text_target=targets, truncation=True, max_length=max_target_length - 1)["input_ids"]
+        encoded["labels"] = [row + [tokenizer.eos_token_id] for row in ids]
+    else:
+        encoded["labels"] = tokenizer(text_target=targets, truncation=True, max_length=max_target_length)["input_ids"]
+    return encoded
+
+
+def check_columns(rows: Any, task: str, data: DataConfig, key: str) -> None:
+    """Refuse rows without the columns ``task`` reads, naming the option and the columns there are."""
+    if task != "seq2seq":
+        label_column(rows, task, data, key)
+    options = {"sequence-classification": ["text_column", *(["text_pair_column"] if data.text_pair_column else [])],
+               "token-classification": ["tokens_column"], "seq2seq": ["source_column", "target_column"]}[task]
+    names = column_names(rows)
+    for option in options:
+        column = getattr(data, option)
+        if column not in names:
+            raise ConfigError(f"data.{option}: {key} has no column {column!r} for {task}; "
+                              f"its columns: {', '.join(names) or 'none'}")
+
+
+def prepare_task_rows(rows: Any, task: str, data: DataConfig, tokenizer: Any, key: str, pipeline: _Pipeline,
+            label2id: dict[str, int] | None) -> Any:
+    """Rows of a classification or seq2seq task (``train.task``, engine/tasks.py) tokenized as
+    transformers' example scripts do (run_glue, run_ner, run_summarization): classification text
+    with the tokenizer's special tokens, truncated to ``data.max_length``; each word's tag on its
+    first sub-word (every sub-word with ``data.label_all_tokens``), -100 on the others; seq2seq
+    targets as ``labels``, ending with eos. The class names of a ClassLabel label column stay with
+    the ``labels``."""
+    check_columns(rows, task, data, key)
+    if task == "seq2seq":
+        eos = tokenizer.eos_token_id
+        append_eos = eos is not None and tokenizer(text_target="x")["input_ids"][-1:] != [eos]
+        return pipeline.map(rows, _encode_pairs, "tokenize source and target", tokenizer=tokenizer,
+                            source=data.source_column, target=data.target_column, max_length=data.max_length,
+                            max_target_length=data.max_target_length or data.max_length, append_eos=append_eos,
+                            key=key)
+    label = label_column(rows, task, data, key)
+    if task == "sequence-classification":
+        encoded = pipeline.map(rows, _encode_sequences, "tokenize for sequence classification", tokenizer=tokenizer,
+                               text=data.text_column, pair=data.text_pair_column, label=label, label2id=label2id,
+                               max_length=data.max_length, key=key)
+    else:
+        if not getattr(tokenizer, "is_fast", False):
+            raise ConfigError(f"{key}: token classification needs a fast tokenizer (word_ids align the tags)")
+        encoded = pipeline.map(rows, _encode_words, "tokenize and align tags", tokenizer=tokenizer,
+                               tokens=data.tokens_column, tags=label, label2id=label2id,
+                               label_all_tokens=data.label_all_tokens, max_length=data.max_length, key=key)
+    feature = rows.features[label] if rows.features else None
+    return encoded.cast_column("labels", feature) if class_names(feature, task) else encoded
+
+
+def tokenizer_texts(rows: Any, task: str, data: DataConfig) -> Iterator[list[str]]:
+    """Batches of the task's text, for training a tokenizer on it."""
+    if task == "sequence-classification":
+        yield from text_batches(rows, data.text_column)
+        if data.text_pair_column:
+            yield from text_batches(rows, data.text_pair_column)
+    elif task == "token-classification":
+        for batch in rows.iter(batch_size=1000):
+            yield [" ".join(map(str, words)) for words in batch[data.tokens_column]]
+    else:
+        yield from text_batches(rows, data.source_column)
+        yield from text_batches(rows, data.target_column)
+
+
+def label_column(rows: Any, task: str, data: DataConfig, key: str) -> str:
+    """The label column of ``rows`` (``data.label_column`` or the task's usual names)."""
+    names = column_names(rows)
+    wanted = (data.label_column,) if data.label_column else DEFAULT_LABEL_COLUMNS[task]
+    found = next((name for name in wanted if name in names), None)
+    if found is None:
+        what = f"{data.label_column!r} (data.label_column)" if data.label_column else " or ".join(map(repr, wanted))
+        raise ConfigError(f"data.label_column: {key} has no label column {what} for {task}; "
+                          f"its columns: {', '.join(names) or 'none'}")
+    return found
+
+
+def class_names(feature: Any, task: str) -> list[str] | None:
+    """The names of a ``ClassLabel`` feature (a list of them for tags), else None."""
+    if task == "token-classification":
+        feature = getattr(feature, "feature", None)
+    return list(feature.names) if hasattr(feature, "names") else None
+
+
 def _tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
     if getattr(tokenizer, "is_fast", False):
         return tokenizer.backend_tokenizer.to_str() + str(getattr(tokenizer, "chat_template", None))
@@ -561,17 +719,15 @@ def prepare(rows: Any, data: DataConfig, tokenizer: PreTrainedTokenizerBase | No
             task: str = "causal-lm", label2id: dict[str, int] | None = None) -> Any:
     """Examples for training from a datasets object: tokenized (text, chat or prompt/completion
     rows) and shaped per ``data.packing``; rows that already hold ``input_ids`` are used as is.
-    Other tasks' rows are tokenized by engine/tasks.py (string labels mapped with ``label2id``).
+    Other tasks' rows by :func:`prepare_task_rows` (string labels mapped with ``label2id``).
     Steps read from the cache are logged in one line (at debug level for small data)."""
     if task != "causal-lm":
         if "input_ids" in column_names(rows):
             return rows
         if tokenizer is None:
             raise ConfigError(f"{key}: {task} rows need a tokenizer; pass tokenizer= or set data.tokenizer")
-        from . import tasks
-
         pipeline = _Pipeline(data, tokenizer, key)
-        examples = tasks.prepare(rows, task, data, tokenizer, key, pipeline, label2id)
+        examples = prepare_task_rows(rows, task, data, tokenizer, key, pipeline, label2id)
         pipeline.report()
         return examples
     kind = data_kind(rows, data, key)

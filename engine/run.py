@@ -134,9 +134,12 @@ class Run:
         """What the model learns (engine/tasks.py): ``train.task``, else what the given model or the
         model config's ``architectures`` say, else ``"causal-lm"``."""
         if self._task is None:
+            from .models import model_config
             from .tasks import resolve_task
 
-            self._task = resolve_task(self.config.train, self.model)
+            train = self.config.train
+            config = model_config(train) if self.model is None and not train.task else None
+            self._task = resolve_task(train, self.model, config)
         return self._task
 
     @property

@@ -9,11 +9,10 @@ token-classification   ``AutoModelForTokenClassification``    words and one tag 
 seq2seq                ``AutoModelForSeq2SeqLM``              source and target texts               ``DataCollatorForSeq2Seq``
 ====================== ====================================== ===================================== =============================
 
-Rows are tokenized as transformers' example scripts do (``run_glue``, ``run_ner``,
-``run_summarization``): classification text with the tokenizer's special tokens, truncated to
-``data.max_length``; each word's tag on its first sub-word (every sub-word with
-``data.label_all_tokens``), -100 on the others; seq2seq targets as ``labels``, ending with eos.
-Rows that already hold ``input_ids`` are used as they are.
+The datasets layer tokenizes each task's rows as transformers' example scripts do
+(``engine.data.prepare_task_rows``); rows that already hold ``input_ids`` are used as they are.
+This module holds the rest: which task, the model class, class names and ids, the collators
+and the generation behind ``train.predict_with_generate``.
 
 Without ``train.task`` a model given in Python, or the ``architectures`` of a model's config,
 says the task (``BertForSequenceClassification`` -> sequence-classification); else causal-lm.
@@ -21,11 +20,11 @@ says the task (``BertForSequenceClassification`` -> sequence-classification); el
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
-from .config import DataConfig, TrainConfig
+from .config import TrainConfig
 from .errors import ConfigError
 from .loss import IGNORE_INDEX
 
@@ -37,8 +36,6 @@ CLASSIFICATION = (SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION)
 # the end of a transformers class name -> its task
 CLASS_SUFFIXES = {"ForSequenceClassification": SEQUENCE_CLASSIFICATION, "ForTokenClassification": TOKEN_CLASSIFICATION,
                   "ForConditionalGeneration": SEQ2SEQ, "ForCausalLM": CAUSAL_LM, "LMHeadModel": CAUSAL_LM}
-DEFAULT_LABEL_COLUMNS = {SEQUENCE_CLASSIFICATION: ("label", "labels"),
-                         TOKEN_CLASSIFICATION: ("tags", "ner_tags", "labels")}
 
 
 # ---------------------------------------------------------------------------- which task
@@ -52,9 +49,10 @@ def task_of_class(name: str, config: Any = None) -> str | None:
     return SEQ2SEQ if getattr(config, "is_encoder_decoder", False) else None
 
 
-def resolve_task(train: TrainConfig, model: torch.nn.Module | None) -> str:
-    """``train.task``, else what the given model or the config's ``architectures`` say, else causal-lm.
-    A given model of another task than ``train.task`` is refused."""
+def resolve_task(train: TrainConfig, model: torch.nn.Module | None, config: Any = None) -> str:
+    """``train.task``, else what the given ``model`` or the ``architectures`` of the model config
+    ``config`` (for a model the run builds) say, else causal-lm. A given model of another task
+    than ``train.task`` is refused."""
     if model is not None:
         config = getattr(model, "config", None)
         inferred = task_of_class(type(model).__name__, config)
@@ -64,9 +62,6 @@ def resolve_task(train: TrainConfig, model: torch.nn.Module | None) -> str:
         return train.task or inferred or CAUSAL_LM
     if train.task:
         return train.task
-    from .models import model_config
-
-    config = model_config(train)
     for name in getattr(config, "architectures", None) or ():
         found = task_of_class(name, config)
         if found:
@@ -132,35 +127,14 @@ def label_ids_by_name(train: TrainConfig) -> dict[str, int] | None:
     return None if id2label is None else {name: i for i, name in id2label.items()}
 
 
-def label_column(rows: Any, task: str, data: DataConfig, key: str) -> str:
-    """The label column of ``rows`` (``data.label_column`` or the task's usual names)."""
-    from .data import column_names
-
-    names = column_names(rows)
-    wanted = (data.label_column,) if data.label_column else DEFAULT_LABEL_COLUMNS[task]
-    found = next((name for name in wanted if name in names), None)
-    if found is None:
-        what = f"{data.label_column!r} (data.label_column)" if data.label_column else " or ".join(map(repr, wanted))
-        raise ConfigError(f"data.label_column: {key} has no label column {what} for {task}; "
-                          f"its columns: {', '.join(names) or 'none'}")
-    return found
-
-
-def _class_names(feature: Any, task: str) -> list[str] | None:
-    """The names of a ``ClassLabel`` feature (a list of them for tags), else None."""
-    if task == TOKEN_CLASSIFICATION:
-        feature = getattr(feature, "feature", None)
-    return list(feature.names) if hasattr(feature, "names") else None
-
-
 def label_names(dataset: Any, task: str) -> list[str] | None:
     """The class names a prepared dataset's ``labels`` (or ``label``) column carries as a ClassLabel."""
-    from .data import is_datasets_object
+    from .data import class_names, is_datasets_object
 
     if task not in CLASSIFICATION or not is_datasets_object(dataset) or not dataset.features:
         return None
     column = next((name for name in ("labels", "label") if name in dataset.features), None)
-    return _class_names(dataset.features[column], task) if column else None
+    return class_names(dataset.features[column], task) if column else None
 
 
 def _label_values(dataset: Any) -> Any:
@@ -221,144 +195,6 @@ def check_labels(dataset: Any, num_labels: int, key: str) -> None:
         bad = low if low < 0 else high
         raise ConfigError(f"{key}: label {bad} is outside the model's {num_labels} classes (0 to {num_labels - 1}); "
                           "set train.num_labels or id2label, or fix the labels")
-
-
-# ---------------------------------------------------------------------------- tokenizing
-
-
-def _strings(values: list[Any], column: str, key: str) -> list[str]:
-    bad = next((v for v in values if not isinstance(v, str)), None)
-    if bad is not None:
-        raise ConfigError(f"{key}: column {column!r} holds a {type(bad).__name__}, expected strings")
-    return values
-
-
-def _label_ids(values: list[Any], label2id: dict[str, int] | None, column: str, key: str) -> list[Any]:
-    """Labels as class ids: strings through ``label2id`` (``train.label2id``)."""
-    if not any(isinstance(v, str) for v in values):
-        return values
-    if label2id is None:
-        raise ConfigError(f"{key}: column {column!r} holds strings; set train.label2id = {{name = id, ...}}")
-    unknown = next((v for v in values if v not in label2id), None)
-    if unknown is not None:
-        raise ConfigError(f"{key}: label {unknown!r} is not in train.label2id ({', '.join(label2id)})")
-    return [label2id[v] for v in values]
-
-
-def _encode_sequences(batch: dict[str, list], *, tokenizer: Any, text: str, pair: str | None, label: str,
-                      label2id: dict[str, int] | None, max_length: int, key: str) -> dict[str, list]:
-    if not batch[text]:
-        return {"input_ids": [], "labels": []}
-    texts = [_strings(batch[text], text, key)] + ([_strings(batch[pair], pair, key)] if pair else [])
-    encoded = dict(tokenizer(*texts, truncation=True, max_length=max_length))
-    encoded["labels"] = _label_ids(batch[label], label2id, label, key)
-    return encoded
-
-
-def _begin_to_inside(label2id: dict[str, int] | None) -> dict[int, int]:
-    """run_ner's b_to_i_label: the id of each B-X tag -> the id of I-X (others unchanged)."""
-    if not label2id:
-        return {}
-    return {i: label2id.get("I-" + name[2:], i) for name, i in label2id.items() if name.startswith("B-")}
-
-
-def _encode_words(batch: dict[str, list], *, tokenizer: Any, tokens: str, tags: str, label2id: dict[str, int] | None,
-                  label_all_tokens: bool, max_length: int, key: str) -> dict[str, list]:
-    if not batch[tokens]:
-        return {"input_ids": [], "labels": []}
-    for words, word_tags in zip(batch[tokens], batch[tags]):
-        if not isinstance(words, list) or not isinstance(word_tags, list) or len(words) != len(word_tags):
-            raise ConfigError(f"{key}: columns {tokens!r} and {tags!r} must hold lists of equal length "
-                              "(one tag per word)")
-    encoding = tokenizer(batch[tokens], truncation=True, max_length=max_length, is_split_into_words=True)
-    inside = _begin_to_inside(label2id)
-    labels = []
-    for row, word_tags in enumerate(batch[tags]):
-        ids = _label_ids(word_tags, label2id, tags, key)
-        previous, aligned = None, []
-        for word in encoding.word_ids(batch_index=row):
-            if word is None:
-                aligned.append(IGNORE_INDEX)
-            elif word != previous:
-                aligned.append(ids[word])
-            else:
-                aligned.append(inside.get(ids[word], ids[word]) if label_all_tokens else IGNORE_INDEX)
-            previous = word
-        labels.append(aligned)
-    return {**encoding, "labels": labels}
-
-
-def _encode_pairs(batch: dict[str, list], *, tokenizer: Any, source: str, target: str, max_length: int,
-                  max_target_length: int, append_eos: bool, key: str) -> dict[str, list]:
-    if not batch[source]:
-        return {"input_ids": [], "labels": []}
-    encoded = dict(tokenizer(_strings(batch[source], source, key), truncation=True, max_length=max_length))
-    targets = _strings(batch[target], target, key)
-    if append_eos:  # a tokenizer that adds no eos itself: the model must still learn where targets end
-        ids = tokenizer(text_target=targets, truncation=True, max_length=max_target_length - 1)["input_ids"]
-        encoded["labels"] = [row + [tokenizer.eos_token_id] for row in ids]
-    else:
-        encoded["labels"] = tokenizer(text_target=targets, truncation=True, max_length=max_target_length)["input_ids"]
-    return encoded
-
-
-def check_columns(rows: Any, task: str, data: DataConfig, key: str) -> None:
-    """Refuse rows without the columns ``task`` reads, naming the option and the columns there are."""
-    from .data import column_names
-
-    if task in CLASSIFICATION:
-        label_column(rows, task, data, key)
-    options = {SEQUENCE_CLASSIFICATION: ["text_column", *(["text_pair_column"] if data.text_pair_column else [])],
-               TOKEN_CLASSIFICATION: ["tokens_column"], SEQ2SEQ: ["source_column", "target_column"]}[task]
-    names = column_names(rows)
-    for option in options:
-        column = getattr(data, option)
-        if column not in names:
-            raise ConfigError(f"data.{option}: {key} has no column {column!r} for {task}; "
-                              f"its columns: {', '.join(names) or 'none'}")
-
-
-def prepare(rows: Any, task: str, data: DataConfig, tokenizer: Any, key: str, pipeline: Any,
-            label2id: dict[str, int] | None) -> Any:
-    """The rows of a classification or seq2seq task tokenized (see the module docstring). The class
-    names of a ClassLabel label column stay with the ``labels`` (:func:`label_names`)."""
-    check_columns(rows, task, data, key)
-    if task == SEQ2SEQ:
-        eos = tokenizer.eos_token_id
-        append_eos = eos is not None and tokenizer(text_target="x")["input_ids"][-1:] != [eos]
-        return pipeline.map(rows, _encode_pairs, "tokenize source and target", tokenizer=tokenizer,
-                            source=data.source_column, target=data.target_column, max_length=data.max_length,
-                            max_target_length=data.max_target_length or data.max_length, append_eos=append_eos,
-                            key=key)
-    label = label_column(rows, task, data, key)
-    if task == SEQUENCE_CLASSIFICATION:
-        encoded = pipeline.map(rows, _encode_sequences, "tokenize for sequence classification", tokenizer=tokenizer,
-                               text=data.text_column, pair=data.text_pair_column, label=label, label2id=label2id,
-                               max_length=data.max_length, key=key)
-    else:
-        if not getattr(tokenizer, "is_fast", False):
-            raise ConfigError(f"{key}: token classification needs a fast tokenizer (word_ids align the tags)")
-        encoded = pipeline.map(rows, _encode_words, "tokenize and align tags", tokenizer=tokenizer,
-                               tokens=data.tokens_column, tags=label, label2id=label2id,
-                               label_all_tokens=data.label_all_tokens, max_length=data.max_length, key=key)
-    feature = rows.features[label] if rows.features else None
-    return encoded.cast_column("labels", feature) if _class_names(feature, task) else encoded
-
-
-def tokenizer_texts(rows: Any, task: str, data: DataConfig) -> Iterator[list[str]]:
-    """Batches of the task's text, for training a tokenizer on it."""
-    from .data import text_batches
-
-    if task == SEQUENCE_CLASSIFICATION:
-        yield from text_batches(rows, data.text_column)
-        if data.text_pair_column:
-            yield from text_batches(rows, data.text_pair_column)
-    elif task == TOKEN_CLASSIFICATION:
-        for batch in rows.iter(batch_size=1000):
-            yield [" ".join(map(str, words)) for words in batch[data.tokens_column]]
-    else:
-        yield from text_batches(rows, data.source_column)
-        yield from text_batches(rows, data.target_column)
 
 
 # ---------------------------------------------------------------------------- collators

@@ -315,8 +315,8 @@ def test_bad_task_inputs_are_one_line_exit_2_before_training(tmp_path, monkeypat
         ({"task": "sequence-classification", "model": bert, "num_labels": 2}, "examples/data/sentiment.jsonl",
          "data.train: label 2 is outside the model's 2 classes (0 to 1); set train.num_labels or id2label"),
         ({"task": "sequence-classification", "model": bert}, str(tmp_path / "texts.jsonl"),
-         "data.label_column: data.train has no label column 'label' or 'labels' for sequence-classification; "
-         "its columns: text"),
+         ("data.label_column: data.train has no label column 'label' or 'labels' for sequence-classification; "
+          "its columns: text")),
         ({"task": "seq2seq", "model": t5}, str(tmp_path / "sources.jsonl"),
          "data.target_column: data.train has no column 'target' for seq2seq; its columns: source"),
         ({"task": "sequence-classification", "model": bert, "predict_with_generate": True},
