@@ -439,9 +439,9 @@ def _evaluate_one(run: Run, dataset: Any, prefix: str, want_predictions: bool) -
     collect = use_metrics or (want_predictions and not train_cfg.prediction_loss_only)
     generation = None
     if collect and train_cfg.predict_with_generate:
-        from .tasks import generation_config
+        from .tasks import generation as generation_settings
 
-        generation = generation_config(train_cfg, run.model)
+        generation = generation_settings(train_cfg, run.model)
         pad_id = getattr(run.tokenizer, "pad_token_id", None)
         pad_id = pad_id if pad_id is not None else getattr(run.model.config, "pad_token_id", None) or 0
     want_logits = collect and generation is None

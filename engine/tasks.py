@@ -20,7 +20,7 @@ says the task (``BertForSequenceClassification`` -> sequence-classification); el
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -227,9 +227,20 @@ def collator(task: str, tokenizer: Any, model: torch.nn.Module | None) -> Callab
 # ---------------------------------------------------------------------------- generation
 
 
-def generation_config(train: TrainConfig, model: torch.nn.Module) -> Any:
-    """The GenerationConfig evaluation generates with: ``train.generation_config`` (a folder replaces
-    the model's, a table updates a copy of it), then ``generation_max_length`` / ``generation_num_beams``."""
+DEFAULT_MAX_LENGTH = 20  # generate()'s max_length when no generation config sets one
+
+
+class Generation(NamedTuple):
+    """How evaluation generates: the generation config and the ``generate()`` keywords on top of it."""
+
+    config: Any  # transformers.GenerationConfig
+    kwargs: dict[str, int]  # max_length, num_beams (Seq2SeqTrainer's gen_kwargs)
+
+
+def generation(train: TrainConfig, model: torch.nn.Module) -> Generation:
+    """``train.generation_config`` (a folder replaces the model's generation config, a table
+    updates a copy of it), with ``generation_max_length`` / ``generation_num_beams`` as
+    ``generate()`` keywords, as Seq2SeqTrainer passes them."""
     import copy
 
     from transformers import GenerationConfig
@@ -249,25 +260,26 @@ def generation_config(train: TrainConfig, model: torch.nn.Module) -> Any:
             if unknown:
                 raise ConfigError(f"train.generation_config: GenerationConfig has no key {unknown[0]!r}")
             config.update(**spec)
-    if train.generation_max_length is not None:
-        config.max_length = train.generation_max_length
-        config.max_new_tokens = None
-    if train.generation_num_beams is not None:
-        config.num_beams = train.generation_num_beams
-    return config
+    kwargs = {"max_length": train.generation_max_length, "num_beams": train.generation_num_beams}
+    return Generation(config, {key: value for key, value in kwargs.items() if value is not None})
 
 
-def generate(model: torch.nn.Module, batch: dict[str, torch.Tensor], config: Any, pad_token_id: int) -> torch.Tensor:
+def generate(model: torch.nn.Module, batch: dict[str, torch.Tensor], generation: Generation,
+             pad_token_id: int) -> torch.Tensor:
     """Generated ids for ``batch`` as Seq2SeqTrainer's prediction_step makes them: from the batch's
     inputs (not its labels, nor decoder inputs made from them), right-padded with ``pad_token_id``
-    to the generation's max_length (or max_new_tokens + 1)."""
+    to the generation config's max_length (20 unless it sets one; generation_max_length does not
+    change it), or its max_new_tokens + 1."""
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     labels = batch.get("labels")
     if labels is not None and "decoder_input_ids" in inputs and inputs["decoder_input_ids"].shape == labels.shape:
         inputs = {k: v for k, v in inputs.items() if k not in ("decoder_input_ids", "decoder_attention_mask")}
-    generated = model.generate(**inputs, generation_config=config)
-    width = config.max_length if config.max_new_tokens is None else config.max_new_tokens + 1
-    if width is not None and generated.shape[-1] < width:
+    generated = model.generate(**inputs, generation_config=generation.config, **generation.kwargs)
+    config = generation.config
+    width = config.max_length or DEFAULT_MAX_LENGTH
+    if generated.shape[-1] >= width and config.max_new_tokens is not None:
+        width = config.max_new_tokens + 1
+    if generated.shape[-1] < width:
         padded = generated.new_full((generated.shape[0], width), pad_token_id)
         padded[:, : generated.shape[-1]] = generated
         generated = padded

@@ -187,7 +187,7 @@ def test_seq2seq_matches_seq2seq_trainer_with_generated_ids(tmp_path):
     raw = rows("reversals.jsonl", 48)
     train, evaluation = raw.select(range(40)), raw.select(range(40, 48))
     tokenizer = tokenizer_for(list(raw["source"]) + list(raw["target"]), eos_after_each=True)  # eos as T5's tokenizer adds it
-    generation = {"predict_with_generate": True, "generation_max_length": 20, "generation_num_beams": 2}
+    generation = {"predict_with_generate": True, "generation_max_length": 12, "generation_num_beams": 2}
 
     def t5(seed=0):
         torch.manual_seed(seed)
@@ -221,7 +221,7 @@ def test_seq2seq_matches_seq2seq_trainer_with_generated_ids(tmp_path):
     trainer.train()
     theirs = trainer.predict(reference[1])
     assert_same_losses(run, trainer)
-    assert ours.predictions.dtype.kind == "i" and ours.predictions.shape == (8, 20)
+    assert ours.predictions.dtype.kind == "i" and ours.predictions.shape == (8, 20)  # padded as Seq2SeqTrainer pads
     np.testing.assert_array_equal(ours.predictions, theirs.predictions)
     np.testing.assert_array_equal(seen[-1], theirs.predictions)
     assert ours.metrics["test_loss"] == pytest.approx(theirs.metrics["test_loss"], abs=1e-5)
@@ -295,7 +295,7 @@ def test_classification_and_seq2seq_resume_exactly(tmp_path):
     check = assert_resume_is_exact(4, 2, tmp_path / "seq2seq", make_model=t5, dataset=reversals,
                                    eval_dataset=reversals.select(range(4)), tokenizer=tokenizer, data_collator=None,
                                    compute_metrics=width, train={**evaluated, "predict_with_generate": True,
-                                                                 "generation_max_length": 6})
+                                                                 "generation_config": {"max_length": 6}})
     assert check.resumed.task == "seq2seq"
     assert [e["eval_generated_width"] for e in check.resumed.state.log_history if "eval_loss" in e] == [6.0, 6.0]
 
@@ -380,3 +380,28 @@ def test_class_names_come_from_a_classlabel_column(tmp_path, monkeypatch):
         run.setup()
         assert run.model.config.id2label == dict(enumerate(expected)), task
         assert run.model.config.label2id == {name: i for i, name in enumerate(expected)}
+
+
+def test_causal_lm_predict_with_generate_matches_seq2seq_trainer(tmp_path):
+    """A causal LM generates from the batch's input_ids (the prompt comes back in front), as Seq2SeqTrainer does."""
+    from engine.testing import tiny_dataset, tiny_model
+
+    data = tiny_dataset(size=6, seq_len=8)
+    generation = {"predict_with_generate": True, "generation_max_length": 12, "generation_num_beams": 2}
+    run = engine.Run({"train": {"max_steps": 1, "output_dir": str(tmp_path / "engine"), "per_device_eval_batch_size": 4,
+                                "per_device_train_batch_size": 2,
+                                **generation}}, model=tiny_model(pad_token_id=0), train_dataset=data)
+    ours = run.predict(data)
+    assert run.task == "causal-lm"
+    trainer = transformers.Seq2SeqTrainer(
+        model=tiny_model(pad_token_id=0), data_collator=transformers.default_data_collator,
+        args=transformers.Seq2SeqTrainingArguments(output_dir=str(tmp_path / "trainer"), report_to=[], use_cpu=True,
+                                                   per_device_eval_batch_size=4, **generation))
+    theirs = trainer.predict(data)
+    assert ours.predictions.shape == (6, 20)  # 12 generated, padded to the generation config's 20 as Trainer pads
+    np.testing.assert_array_equal(ours.predictions[:, :8], data.rows.numpy())
+    np.testing.assert_array_equal(ours.predictions, theirs.predictions)
+    model = tiny_model(pad_token_id=0).eval()
+    with torch.no_grad():  # the loss is still computed: the mean over every predicted token
+        loss = model(input_ids=data.rows, labels=data.rows).loss.item()
+    assert ours.metrics["test_loss"] == pytest.approx(loss, abs=1e-6)
