@@ -33,7 +33,7 @@ def _row(name: str, answer) -> str:
 
 
 def render() -> str:
-    from engine.trainer_args import FIELDS, KINDS, LEGACY, TRANSFORMERS_VERSION
+    from engine.trainer_args import FIELDS, KINDS, LEGACY, SEQ2SEQ_FIELDS, TRANSFORMERS_VERSION
 
     counts = ", ".join(f"{sum(a.kind == kind for a in FIELDS.values())} {kind}" for kind in KINDS)
     lines = ["# TrainingArguments in the engine", "",
@@ -42,6 +42,10 @@ def render() -> str:
              f"## The {len(FIELDS)} fields of transformers {TRANSFORMERS_VERSION}", "", f"{counts}.", "",
              "| field | answer |", "| --- | --- |"]
     lines += [_row(name, answer) for name, answer in FIELDS.items()]
+    lines += ["", "## Seq2SeqTrainingArguments", "",
+              "The fields `Seq2SeqTrainingArguments` adds, for a `Seq2SeqTrainer` run (`[train] task = \"seq2seq\"`).",
+              "", "| field | answer |", "| --- | --- |"]
+    lines += [_row(name, answer) for name, answer in SEQ2SEQ_FIELDS.items()]
     lines += ["", "## Names of older releases", "",
               "Found in dumps written by older transformers; converted as the names they became.", "",
               "| field | answer |", "| --- | --- |"]

@@ -68,6 +68,19 @@ class TrainConfig:
         "a config .json file (random weights) or 'package.module:function' returning an nn.Module"))
     model_config: dict[str, Any] = option(default_factory=dict, help=(
         "overrides applied to the model config when building from a name or .json file"))
+    task: Literal["causal-lm", "sequence-classification", "token-classification", "seq2seq"] | None = option(
+        None, help=("what the model learns: the AutoModelFor... class of train.model, the data's columns and the "
+                    "collator; default: the task of a model given in Python or named by its config's "
+                    "architectures, else causal-lm"))
+    num_labels: int | None = option(None, min=1, help=(
+        "classification: number of classes (default: from id2label, the data's ClassLabel names, else the "
+        "largest label + 1; 1 for float labels: regression)"))
+    id2label: dict[str, str] | None = option(None, help=(
+        "classification: class names by id, {0 = \"neg\", 1 = \"pos\"} (default: the data's ClassLabel names)"))
+    label2id: dict[str, int] | None = option(None, help=(
+        "classification: class ids by name; string labels in the data are mapped with it"))
+    problem_type: Literal["single_label_classification", "multi_label_classification", "regression"] | None = \
+        option(None, help="sequence classification: the model's loss (default: the model's choice from the labels)")
     output_dir: str = option("output", nonempty=True, help="where metrics, checkpoints and the final model go")
     seed: int = option(42, min=0, max=2**32 - 1, help="seed for weights, data order and dropout")
     max_steps: int = option(-1, min=-1, help="total optimizer steps; > 0 overrides num_train_epochs")
@@ -146,6 +159,16 @@ class TrainConfig:
     prediction_loss_only: bool = option(False, help="evaluation returns the loss only (no compute_metrics)")
     compute_metrics: str | None = option(None, help=(
         "'package.module:function' taking an EvalPrediction and returning a dict of floats"))
+    predict_with_generate: bool = option(False, help=(
+        "evaluation and predict: compute_metrics gets generate()'s token ids instead of logits (seq2seq and "
+        "causal LMs; the loss is still computed), as Seq2SeqTrainer"))
+    generation_max_length: int | None = option(None, min=1, help=(
+        "predict_with_generate: generate()'s max_length (default: the generation config's)"))
+    generation_num_beams: int | None = option(None, min=1, help=(
+        "predict_with_generate: generate()'s num_beams (default: the generation config's)"))
+    generation_config: str | dict[str, Any] | None = option(None, help=(
+        "predict_with_generate: a folder holding generation_config.json, or a table of GenerationConfig values, "
+        "replacing the model's generation config"))
     dataloader_num_workers: int = option(0, min=0, help="DataLoader worker processes")
     dataloader_drop_last: bool = option(False, help="drop the last incomplete batch")
     train_sampling_strategy: Literal["random", "sequential"] = option("random", help=(
@@ -177,6 +200,17 @@ class DataConfig:
         "split of a dataset name or saved DatasetDict used for eval"))
     text_column: str = option("text", nonempty=True, help=(
         "column holding the text (rows with 'messages', 'prompt'/'completion' or 'input_ids' use those)"))
+    text_pair_column: str | None = option(None, nonempty=True, help=(
+        "sequence classification: the column holding each example's second text (pairs, as in GLUE)"))
+    label_column: str | None = option(None, nonempty=True, help=(
+        "classification: the column of labels (default: 'label' or 'labels'; token classification: 'tags', "
+        "'ner_tags' or 'labels')"))
+    tokens_column: str = option("tokens", nonempty=True, help="token classification: the column of words")
+    label_all_tokens: bool = option(False, help=(
+        "token classification: every sub-word of a word gets its label (B- becoming I-), not only the first"))
+    source_column: str = option("source", nonempty=True, help="seq2seq: the column of input texts")
+    target_column: str = option("target", nonempty=True, help="seq2seq: the column of target texts")
+    max_target_length: int | None = option(None, min=1, help="seq2seq: tokens per target (default: max_length)")
     max_length: int = option(128, min=2, help="tokens per example")
     packing: bool | Literal["document"] = option(True, help=(
         "true: concatenate examples and cut max_length rows; false: one padded example per row; "

@@ -325,9 +325,11 @@ def load_tokenizer(path: str, key: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def build_tokenizer(data: DataConfig, model_source: str, rows: Any = None) -> PreTrainedTokenizerBase:
+def build_tokenizer(data: DataConfig, model_source: str, rows: Any = None,
+                    task: str = "causal-lm") -> PreTrainedTokenizerBase:
     """The run's tokenizer per ``data.tokenizer``; ``model_source`` is ``train.model``. A trained
-    one learns from ``rows`` (a datasets object given to Run), else from ``data.train``."""
+    one learns from ``rows`` (a datasets object given to Run), else from ``data.train``: the text
+    column, or the columns of ``task`` (engine/tasks.py)."""
     if data.tokenizer == "auto":
         model_dir = Path(model_source)
         if any((model_dir / name).is_file() for name in TOKENIZER_FILES):
@@ -340,6 +342,11 @@ def build_tokenizer(data: DataConfig, model_source: str, rows: Any = None) -> Pr
                               f"data, but data.train is the callable {data.train!r}; "
                               "set data.tokenizer to a tokenizer folder")
         rows = load_source(data.train, data, "data.train")
+    if task != "causal-lm":
+        check_columns(rows, task, data, "data.train")
+        if data.streaming:
+            rows = rows.take(STREAMING_TOKENIZER_ROWS)
+        return train_tokenizer(tokenizer_texts(rows, task, data), data.tokenizer_vocab_size)
     if data_kind(rows, data, "data.train") != "text":
         raise ConfigError(f"data.tokenizer = {data.tokenizer!r} trains a tokenizer on the text column "
                           f"{data.text_column!r}, which data.train lacks; set data.tokenizer to a tokenizer folder")
@@ -488,6 +495,166 @@ def _pack_documents(batch: dict[str, list], *, length: int) -> dict[str, list]:
     return out
 
 
+# ---------------------------------------------------------------------------- other tasks' rows
+
+DEFAULT_LABEL_COLUMNS = {"sequence-classification": ("label", "labels"),
+                         "token-classification": ("tags", "ner_tags", "labels")}
+
+
+def _strings(values: list[Any], column: str, key: str) -> list[str]:
+    bad = next((v for v in values if not isinstance(v, str)), None)
+    if bad is not None:
+        raise ConfigError(f"{key}: column {column!r} holds a {type(bad).__name__}, expected strings")
+    return values
+
+
+def _label_ids(values: list[Any], label2id: dict[str, int] | None, column: str, key: str) -> list[Any]:
+    """Labels as class ids: strings through ``label2id`` (``train.label2id``)."""
+    if not any(isinstance(v, str) for v in values):
+        return values
+    if label2id is None:
+        raise ConfigError(f"{key}: column {column!r} holds strings; set train.label2id = {{name = id, ...}}")
+    unknown = next((v for v in values if v not in label2id), None)
+    if unknown is not None:
+        raise ConfigError(f"{key}: label {unknown!r} is not in train.label2id ({', '.join(label2id)})")
+    return [label2id[v] for v in values]
+
+
+def _encode_sequences(batch: dict[str, list], *, tokenizer: Any, text: str, pair: str | None, label: str,
+                      label2id: dict[str, int] | None, max_length: int, key: str) -> dict[str, list]:
+    if not batch[text]:
+        return {"input_ids": [], "labels": []}
+    texts = [_strings(batch[text], text, key)] + ([_strings(batch[pair], pair, key)] if pair else [])
+    encoded = dict(tokenizer(*texts, truncation=True, max_length=max_length))
+    encoded["labels"] = _label_ids(batch[label], label2id, label, key)
+    return encoded
+
+
+def _begin_to_inside(label2id: dict[str, int] | None) -> dict[int, int]:
+    """run_ner's b_to_i_label: the id of each B-X tag -> the id of I-X (others unchanged)."""
+    if not label2id:
+        return {}
+    return {i: label2id.get("I-" + name[2:], i) for name, i in label2id.items() if name.startswith("B-")}
+
+
+def _encode_words(batch: dict[str, list], *, tokenizer: Any, tokens: str, tags: str, label2id: dict[str, int] | None,
+                  label_all_tokens: bool, max_length: int, key: str) -> dict[str, list]:
+    if not batch[tokens]:
+        return {"input_ids": [], "labels": []}
+    for words, word_tags in zip(batch[tokens], batch[tags]):
+        if not isinstance(words, list) or not isinstance(word_tags, list) or len(words) != len(word_tags):
+            raise ConfigError(f"{key}: columns {tokens!r} and {tags!r} must hold lists of equal length "
+                              "(one tag per word)")
+    encoding = tokenizer(batch[tokens], truncation=True, max_length=max_length, is_split_into_words=True)
+    inside = _begin_to_inside(label2id)
+    labels = []
+    for row, word_tags in enumerate(batch[tags]):
+        ids = _label_ids(word_tags, label2id, tags, key)
+        previous, aligned = None, []
+        for word in encoding.word_ids(batch_index=row):
+            if word is None:
+                aligned.append(IGNORE_INDEX)
+            elif word != previous:
+                aligned.append(ids[word])
+            else:
+                aligned.append(inside.get(ids[word], ids[word]) if label_all_tokens else IGNORE_INDEX)
+            previous = word
+        labels.append(aligned)
+    return {**encoding, "labels": labels}
+
+
+def _encode_pairs(batch: dict[str, list], *, tokenizer: Any, source: str, target: str, max_length: int,
+                  max_target_length: int, append_eos: bool, key: str) -> dict[str, list]:
+    if not batch[source]:
+        return {"input_ids": [], "labels": []}
+    encoded = dict(tokenizer(_strings(batch[source], source, key), truncation=True, max_length=max_length))
+    targets = _strings(batch[target], target, key)
+    if append_eos:  # a tokenizer that adds no eos itself: the model must still learn where targets end
+        ids = tokenizer(text_target=targets, truncation=True, max_length=max_target_length - 1)["input_ids"]
+        encoded["labels"] = [row + [tokenizer.eos_token_id] for row in ids]
+    else:
+        encoded["labels"] = tokenizer(text_target=targets, truncation=True, max_length=max_target_length)["input_ids"]
+    return encoded
+
+
+def check_columns(rows: Any, task: str, data: DataConfig, key: str) -> None:
+    """Refuse rows without the columns ``task`` reads, naming the option and the columns there are."""
+    if task != "seq2seq":
+        label_column(rows, task, data, key)
+    options = {"sequence-classification": ["text_column", *(["text_pair_column"] if data.text_pair_column else [])],
+               "token-classification": ["tokens_column"], "seq2seq": ["source_column", "target_column"]}[task]
+    names = column_names(rows)
+    for option in options:
+        column = getattr(data, option)
+        if column not in names:
+            raise ConfigError(f"data.{option}: {key} has no column {column!r} for {task}; "
+                              f"its columns: {', '.join(names) or 'none'}")
+
+
+def prepare_task_rows(rows: Any, task: str, data: DataConfig, tokenizer: Any, key: str, pipeline: _Pipeline,
+            label2id: dict[str, int] | None) -> Any:
+    """Rows of a classification or seq2seq task (``train.task``, engine/tasks.py) tokenized as
+    transformers' example scripts do (run_glue, run_ner, run_summarization): classification text
+    with the tokenizer's special tokens, truncated to ``data.max_length``; each word's tag on its
+    first sub-word (every sub-word with ``data.label_all_tokens``), -100 on the others; seq2seq
+    targets as ``labels``, ending with eos. The class names of a ClassLabel label column stay with
+    the ``labels``."""
+    check_columns(rows, task, data, key)
+    if task == "seq2seq":
+        eos = tokenizer.eos_token_id
+        append_eos = eos is not None and tokenizer(text_target="x")["input_ids"][-1:] != [eos]
+        return pipeline.map(rows, _encode_pairs, "tokenize source and target", tokenizer=tokenizer,
+                            source=data.source_column, target=data.target_column, max_length=data.max_length,
+                            max_target_length=data.max_target_length or data.max_length, append_eos=append_eos,
+                            key=key)
+    label = label_column(rows, task, data, key)
+    if task == "sequence-classification":
+        encoded = pipeline.map(rows, _encode_sequences, "tokenize for sequence classification", tokenizer=tokenizer,
+                               text=data.text_column, pair=data.text_pair_column, label=label, label2id=label2id,
+                               max_length=data.max_length, key=key)
+    else:
+        if not getattr(tokenizer, "is_fast", False):
+            raise ConfigError(f"{key}: token classification needs a fast tokenizer (word_ids align the tags)")
+        encoded = pipeline.map(rows, _encode_words, "tokenize and align tags", tokenizer=tokenizer,
+                               tokens=data.tokens_column, tags=label, label2id=label2id,
+                               label_all_tokens=data.label_all_tokens, max_length=data.max_length, key=key)
+    feature = rows.features[label] if rows.features else None
+    return encoded.cast_column("labels", feature) if class_names(feature, task) else encoded
+
+
+def tokenizer_texts(rows: Any, task: str, data: DataConfig) -> Iterator[list[str]]:
+    """Batches of the task's text, for training a tokenizer on it."""
+    if task == "sequence-classification":
+        yield from text_batches(rows, data.text_column)
+        if data.text_pair_column:
+            yield from text_batches(rows, data.text_pair_column)
+    elif task == "token-classification":
+        for batch in rows.iter(batch_size=1000):
+            yield [" ".join(map(str, words)) for words in batch[data.tokens_column]]
+    else:
+        yield from text_batches(rows, data.source_column)
+        yield from text_batches(rows, data.target_column)
+
+
+def label_column(rows: Any, task: str, data: DataConfig, key: str) -> str:
+    """The label column of ``rows`` (``data.label_column`` or the task's usual names)."""
+    names = column_names(rows)
+    wanted = (data.label_column,) if data.label_column else DEFAULT_LABEL_COLUMNS[task]
+    found = next((name for name in wanted if name in names), None)
+    if found is None:
+        what = f"{data.label_column!r} (data.label_column)" if data.label_column else " or ".join(map(repr, wanted))
+        raise ConfigError(f"data.label_column: {key} has no label column {what} for {task}; "
+                          f"its columns: {', '.join(names) or 'none'}")
+    return found
+
+
+def class_names(feature: Any, task: str) -> list[str] | None:
+    """The names of a ``ClassLabel`` feature (a list of them for tags), else None."""
+    if task == "token-classification":
+        feature = getattr(feature, "feature", None)
+    return list(feature.names) if hasattr(feature, "names") else None
+
+
 def _tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
     if getattr(tokenizer, "is_fast", False):
         return tokenizer.backend_tokenizer.to_str() + str(getattr(tokenizer, "chat_template", None))
@@ -548,10 +715,21 @@ class _Pipeline:
                        self.key, " + ".join(self.cached), self.folder)
 
 
-def prepare(rows: Any, data: DataConfig, tokenizer: PreTrainedTokenizerBase | None, key: str) -> Any:
+def prepare(rows: Any, data: DataConfig, tokenizer: PreTrainedTokenizerBase | None, key: str,
+            task: str = "causal-lm", label2id: dict[str, int] | None = None) -> Any:
     """Examples for training from a datasets object: tokenized (text, chat or prompt/completion
     rows) and shaped per ``data.packing``; rows that already hold ``input_ids`` are used as is.
+    Other tasks' rows by :func:`prepare_task_rows` (string labels mapped with ``label2id``).
     Steps read from the cache are logged in one line (at debug level for small data)."""
+    if task != "causal-lm":
+        if "input_ids" in column_names(rows):
+            return rows
+        if tokenizer is None:
+            raise ConfigError(f"{key}: {task} rows need a tokenizer; pass tokenizer= or set data.tokenizer")
+        pipeline = _Pipeline(data, tokenizer, key)
+        examples = prepare_task_rows(rows, task, data, tokenizer, key, pipeline, label2id)
+        pipeline.report()
+        return examples
     kind = data_kind(rows, data, key)
     if kind == "tokens":
         return rows
@@ -654,26 +832,45 @@ class DataCollator:
     """Batches examples: stacks equal-length rows, else right-pads and adds ``attention_mask``.
 
     Padded ``input_ids`` get ``pad_token_id``, padded ``labels`` get -100 (ignored by the loss).
-    Examples without ``labels`` learn every real token. Other keys are kept when they stack.
+    Examples without ``labels`` learn every real token. A scalar label per example (a class id,
+    or a float for regression; ``label`` or ``label_ids`` as transformers' collators also take
+    it) is stacked into ``labels [batch]``; label rows of another length than their
+    ``input_ids`` (seq2seq targets) are padded to the longest of them. Other keys are kept when
+    they stack.
     """
 
     _CORE_KEYS = ("input_ids", "labels", "attention_mask")
+    _LABEL_KEYS = ("labels", "label", "label_ids")
 
     def __init__(self, pad_token_id: int):
         self.pad_token_id = pad_token_id
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        key = next((k for k in self._LABEL_KEYS if k in features[0]), None)
+        if key is not None and key != "labels":
+            features = [{("labels" if k == key else k): v for k, v in f.items()} for f in features]
+        if key is not None and torch.as_tensor(features[0]["labels"]).dim() == 0:
+            values = [f["labels"] for f in features]
+            scalar = torch.as_tensor(values, dtype=torch.float32 if any(isinstance(v, float) or (
+                isinstance(v, torch.Tensor) and v.is_floating_point()) for v in values) else torch.long)
+            batch = self([{k: v for k, v in f.items() if k != "labels"} for f in features])
+            batch["labels"] = scalar
+            return batch
         ids = [torch.as_tensor(f["input_ids"], dtype=torch.long) for f in features]
         labels = [torch.as_tensor(f["labels"], dtype=torch.long) if "labels" in f else None
                   for f in features]
         masks = [torch.as_tensor(f["attention_mask"], dtype=torch.long) if "attention_mask" in f
                  else None for f in features]
-        if len({len(row) for row in ids}) == 1 and all(m is None for m in masks):
+        targets = any(lab is not None and len(lab) != len(row) for row, lab in zip(ids, labels))
+        if len({len(row) for row in ids}) == 1 and all(m is None for m in masks) and not targets:
             # Packed data: nothing to pad, and no mask means the model attends to everything.
             batch = {"input_ids": torch.stack(ids),
                      "labels": torch.stack([row if lab is None else lab for row, lab in zip(ids, labels)])}
         else:
             batch = self._pad(ids, labels, masks)
+            if targets:  # seq2seq: the model makes its decoder inputs from the labels
+                batch["labels"] = torch.nn.utils.rnn.pad_sequence(labels, batch_first=True,
+                                                                  padding_value=IGNORE_INDEX)
         for key in features[0]:
             if key in self._CORE_KEYS:
                 continue
@@ -773,8 +970,10 @@ def check_config(data: DataConfig) -> None:
 
 
 def build_datasets(data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int, *, shuffle: bool = True,
-                   rank: int = 0, world_size: int = 1) -> Datasets:
-    """The train dataset, the eval dataset (or None) and the collator for ``data``.
+                   rank: int = 0, world_size: int = 1, task: str = "causal-lm",
+                   label2id: dict[str, int] | None = None) -> Datasets:
+    """The train dataset, the eval dataset (or None) and the collator for ``data``, tokenized for
+    ``task`` (string labels mapped with ``label2id``).
 
     With ``data.streaming`` the train data is a :class:`ResumableStream` over this process's
     shard (``rank`` of ``world_size``), shuffled through a buffer of
@@ -784,13 +983,13 @@ def build_datasets(data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: i
 
     def from_source(source: str, key: str, split: str | None = None) -> Any:
         if is_callable_spec(source):
-            return prepare_given(_call_source(source, key, tokenizer), data, tokenizer, key)
+            return prepare_given(_call_source(source, key, tokenizer), data, tokenizer, key, task, label2id)
         rows = load_source(source, data, key, split)
         if data.streaming and world_size > 1:
             from datasets.distributed import split_dataset_by_node
 
             rows = split_dataset_by_node(rows, rank=rank, world_size=world_size)
-        return prepare(rows, data, tokenizer, key)
+        return prepare(rows, data, tokenizer, key, task, label2id)
 
     if data.eval is not None or data.eval_split == 0:
         train = from_source(data.train, "data.train")
@@ -806,9 +1005,10 @@ def build_datasets(data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: i
             raise ConfigError("data.eval_split: holds out documents of a dataset with a length, but data.streaming "
                               "is true; set data.eval instead")
         train_rows, eval_rows = _split(load_source(data.train, data, "data.train"), data.eval_split, seed)
-        train = prepare(train_rows, data, tokenizer, "data.train")
-        evaluation = prepare(eval_rows, data, tokenizer, "data.eval_split")
-    return Datasets(train, evaluation, collator_for(data, tokenizer))
+        train = prepare(train_rows, data, tokenizer, "data.train", task, label2id)
+        evaluation = prepare(eval_rows, data, tokenizer, "data.eval_split", task, label2id)
+    collator = collator_for(data, tokenizer) if task == "causal-lm" else None  # the run's task collator
+    return Datasets(train, evaluation, collator)
 
 
 class ResumableStream(torch.utils.data.IterableDataset):
@@ -846,19 +1046,25 @@ class ResumableStream(torch.utils.data.IterableDataset):
         self.epoch, self._skip = int(state["epoch"]), int(state["position"])
 
 
-def prepare_given(dataset: Any, data: DataConfig, tokenizer: PreTrainedTokenizerBase | None, key: str) -> Any:
+def prepare_given(dataset: Any, data: DataConfig, tokenizer: PreTrainedTokenizerBase | None, key: str,
+                  task: str = "causal-lm", label2id: dict[str, int] | None = None) -> Any:
     """A dataset given to Run or returned by a data hook: a datasets object is checked and
     tokenized like data.train (one with input_ids is used as is); anything else is used as is."""
     if isinstance(dataset, dict):
-        return {name: prepare_given(d, data, tokenizer, f"{key}[{name!r}]") for name, d in dataset.items()}
-    return prepare(dataset, data, tokenizer, key) if is_datasets_object(dataset) else dataset
+        return {name: prepare_given(d, data, tokenizer, f"{key}[{name!r}]", task, label2id)
+                for name, d in dataset.items()}
+    return prepare(dataset, data, tokenizer, key, task, label2id) if is_datasets_object(dataset) else dataset
 
 
-def needs_tokenizer(dataset: Any, data: DataConfig) -> bool:
+def needs_tokenizer(dataset: Any, data: DataConfig, task: str = "causal-lm") -> bool:
     """Whether ``dataset`` (given to Run) holds rows that the engine tokenizes."""
     if isinstance(dataset, dict):
-        return any(needs_tokenizer(d, data) for d in dataset.values())
-    return is_datasets_object(dataset) and data_kind(dataset, data, "train_dataset") != "tokens"
+        return any(needs_tokenizer(d, data, task) for d in dataset.values())
+    if not is_datasets_object(dataset):
+        return False
+    if task != "causal-lm":
+        return "input_ids" not in column_names(dataset)
+    return data_kind(dataset, data, "train_dataset") != "tokens"
 
 
 def _split(rows: Any, fraction: float, seed: int) -> tuple[Any, Any]:

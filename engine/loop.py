@@ -47,6 +47,7 @@
     evaluate(run)
         on_eval_mode(run)
         for batch: compute_loss(run, model, batch, num_items)     # no_grad
+                   predict_with_generate: model.generate(batch)   # the predictions compute_metrics gets
         log_metrics(run, eval_metrics, step); on_evaluate(run, eval_metrics)
 
     save(run)
@@ -416,7 +417,8 @@ def _evaluate_one(run: Run, dataset: Any, prefix: str, want_predictions: bool) -
     """Token-weighted loss (and compute_metrics) over ``dataset``; logits and labels when wanted.
 
     Logits come from the forward that ``compute_loss`` runs (caught by a forward hook), so
-    predictions cost no second forward pass.
+    predictions cost no second forward pass. With ``train.predict_with_generate`` the predictions
+    are ``generate()``'s token ids instead, as Seq2SeqTrainer's (engine/tasks.py).
     """
 
     strategy, model, train_cfg = run.strategy, run.wrapped_model, run.config.train
@@ -435,8 +437,16 @@ def _evaluate_one(run: Run, dataset: Any, prefix: str, want_predictions: bool) -
     total = len(loader) if sampler is not None else None
     use_metrics = run.compute_metrics is not None and not train_cfg.prediction_loss_only
     collect = use_metrics or (want_predictions and not train_cfg.prediction_loss_only)
+    generation = None
+    if collect and train_cfg.predict_with_generate:
+        from .tasks import generation as generation_settings
+
+        generation = generation_settings(train_cfg, run.model)
+        pad_id = getattr(run.tokenizer, "pad_token_id", None)
+        pad_id = pad_id if pad_id is not None else getattr(run.model.config, "pad_token_id", None) or 0
+    want_logits = collect and generation is None
     outputs: list[Any] = []
-    handle = model.register_forward_hook(lambda module, args, output: outputs.append(output)) if collect else None
+    handle = model.register_forward_hook(lambda module, args, output: outputs.append(output)) if want_logits else None
     loss_sum = torch.zeros((), dtype=torch.float64)
     weight_sum = torch.zeros((), dtype=torch.float64)
     predictions, label_ids = [], []
@@ -456,15 +466,20 @@ def _evaluate_one(run: Run, dataset: Any, prefix: str, want_predictions: bool) -
                 outputs.clear()
                 with strategy.autocast():
                     loss = compute_loss(run=run, model=model, batch=batch, num_items_in_batch=num_items)
-                    if collect and not outputs:  # a loss plugin that did not call the model
+                    if want_logits and not outputs:  # a loss plugin that did not call the model
                         model(**batch)
+                    if generation is not None:
+                        from .tasks import generate
+
+                        outputs.append(generate(run.model, batch, generation, pad_id))
                 weight = num_items if num_items is not None else rows
                 if float(weight) > 0:  # a batch of repeats only has no loss to add
                     loss_sum += loss.detach().double().cpu() * float(weight)
                 weight_sum += float(weight)
                 samples += rows
                 if collect:
-                    predictions.append(logits_of(outputs[-1]).detach().float().cpu())
+                    predictions.append(outputs[-1].cpu() if generation is not None else
+                                       logits_of(outputs[-1]).detach().float().cpu())
                     if "labels" in batch:
                         label_ids.append(batch["labels"].cpu())
                 on_prediction_step(run=run, step=index, total=total)

@@ -27,7 +27,8 @@ from typing import Any
 
 from .config import TrainConfig, check_value, toml_key, toml_value
 from .errors import ConfigError, EngineError
-from .trainer_args import ACCEPTED, BUILTIN, ENABLED_BY, FIELDS, PLUGIN, STRATEGIES, Conversion, answer_for, show
+from .trainer_args import (ACCEPTED, BUILTIN, ENABLED_BY, FIELDS, PLUGIN, SEQ2SEQ_FIELDS, STRATEGIES, Conversion,
+                           answer_for, show)
 
 MAX_ARGUMENTS_BYTES = 1 << 20
 # what TrainingArguments does not hold: left as commented keys for the user to fill in
@@ -127,11 +128,11 @@ def read_arguments(path: str | Path) -> dict[str, Any]:
 
 def trainer_defaults() -> dict[str, Any]:
     """Every field's default, as a dump of a default ``TrainingArguments`` holds it."""
-    from transformers import TrainingArguments
+    from transformers import Seq2SeqTrainingArguments  # TrainingArguments' fields and the seq2seq ones
 
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainingArguments)
+    defaults = {f.name: f.default for f in dataclasses.fields(Seq2SeqTrainingArguments)
                 if f.default is not dataclasses.MISSING}
-    defaults.update(json.loads(TrainingArguments(output_dir="trainer_output").to_json_string()))
+    defaults.update(json.loads(Seq2SeqTrainingArguments(output_dir="trainer_output").to_json_string()))
     return defaults
 
 
@@ -151,7 +152,8 @@ def migrate(arguments: Any, source: str | None = None) -> Migration:
         if answer is None:
             unknown.append(name)
             continue
-        at_default = value == defaults.get(name, value) if name in FIELDS else value in answer.legacy_defaults
+        at_default = value == defaults.get(name, value) if name in FIELDS or name in SEQ2SEQ_FIELDS \
+            else value in answer.legacy_defaults
         if answer.kind in (ACCEPTED, PLUGIN):
             conversion.convert(name, value, answer, at_default)
         elif not at_default:

@@ -9,7 +9,10 @@ Forms, tried in this order:
 * a builtin name (:data:`BUILTIN_CONFIGS`), random weights.
 
 Config-built models take ``train.model_config`` overrides and the tokenizer's vocabulary size
-and special token ids.
+and special token ids. With ``train.task`` set, the task's ``AutoModelFor...`` class builds or
+loads the model (a base checkpoint becomes a classifier, as
+``AutoModelForSequenceClassification.from_pretrained(base, num_labels=3)`` does); classifiers
+take ``labels`` (num_labels, id2label, label2id, problem_type: engine/tasks.py).
 """
 
 from __future__ import annotations
@@ -41,8 +44,9 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-def build_model(train: TrainConfig, tokenizer: Any = None) -> torch.nn.Module:
-    """The model named by ``train.model`` (see the module docstring)."""
+def build_model(train: TrainConfig, tokenizer: Any = None, labels: dict[str, Any] | None = None) -> torch.nn.Module:
+    """The model named by ``train.model`` (see the module docstring); ``labels``: a classifier's
+    num_labels, id2label, label2id, problem_type."""
     spec = train.model
     if is_callable_spec(spec):
         model = call_user("train.model", spec, load_callable(spec, "train.model"), tokenizer)
@@ -52,18 +56,20 @@ def build_model(train: TrainConfig, tokenizer: Any = None) -> torch.nn.Module:
     if Path(spec).is_dir():  # its files were checked by check_model when setup began
         import transformers
 
-        return _model_class(transformers.AutoConfig.from_pretrained(spec)).from_pretrained(spec)
-    config = model_config(train, tokenizer)
+        cls = _model_class(transformers.AutoConfig.from_pretrained(spec), train.task)
+        return cls.from_pretrained(spec, **(labels or {}))
+    config = model_config(train, tokenizer, labels)
     torch.manual_seed(train.seed)
-    return _instantiate(config)
+    return _instantiate(config, train.task)
 
 
-def model_config(train: TrainConfig, tokenizer: Any = None) -> Any:
+def model_config(train: TrainConfig, tokenizer: Any = None, labels: dict[str, Any] | None = None) -> Any:
     """The transformers config of the model ``train.model`` names (None for a model factory).
 
     Built from a folder's config.json, a .json file or a builtin name, with ``train.model_config``
     on top and, given a tokenizer, its vocabulary size and special token ids. A bad value is a
-    ConfigError naming its key: transformers' own validation, turned into one line.
+    ConfigError naming its key: transformers' own validation, turned into one line. ``labels``
+    (a classifier's num_labels, id2label, ...) go on top.
     """
     import transformers
 
@@ -74,14 +80,14 @@ def model_config(train: TrainConfig, tokenizer: Any = None) -> Any:
     if path.is_dir():
         check_model_folder(path, "train.model")
         try:
-            return transformers.AutoConfig.from_pretrained(path)
+            return transformers.AutoConfig.from_pretrained(path, **(labels or {}))
         except (OSError, ValueError, KeyError, TypeError) as exc:  # garbage, or a model_type it does not know
             raise ConfigError(f"train.model: {path / 'config.json'} is not a config transformers can read: "
                               f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from None
     if spec.endswith(".json"):
-        return _config_from_values(_read_config_file(path), train, tokenizer, source=spec)
+        return _config_from_values({**_read_config_file(path), **(labels or {})}, train, tokenizer, source=spec)
     if spec in BUILTIN_CONFIGS:
-        return _config_from_values(dict(BUILTIN_CONFIGS[spec]), train, tokenizer, source=spec)
+        return _config_from_values({**BUILTIN_CONFIGS[spec], **(labels or {})}, train, tokenizer, source=spec)
     raise ConfigError(
         f"train.model: {spec!r} is not a folder, a .json config, 'package.module:function' or a "
         f"builtin name ({', '.join(BUILTIN_CONFIGS)})"
@@ -117,6 +123,10 @@ def _config_from_values(values: dict[str, Any], train: TrainConfig, tokenizer: A
     config_class = transformers.CONFIG_MAPPING[model_type]
     # configs accept any keyword silently: compare with the keys a default config has
     known = config_class().to_dict()
+    if values.get("is_encoder_decoder", known.get("is_encoder_decoder")) and (
+            tokenizer is not None or values.get("decoder_start_token_id") is None):
+        # T5's convention: decoding starts at pad
+        values["decoder_start_token_id"] = values.get("pad_token_id", known.get("pad_token_id")) or 0
     unknown = sorted(k for k in train.model_config if k not in known)
     if unknown:
         raise ConfigError(f"train.model_config: {model_type} config has no key {unknown[0]!r}")
@@ -136,11 +146,9 @@ def _config_error(exc: Exception, model_type: str, overrides: dict[str, Any], so
     return ConfigError(f"{where}: the {model_type} config refuses it: {type(exc.__cause__ or exc).__name__}: {message}")
 
 
-def _instantiate(config: Any) -> torch.nn.Module:
-    import transformers
-
-    cls = _model_class(config)
-    return cls.from_config(config) if cls is transformers.AutoModelForCausalLM else cls(config)
+def _instantiate(config: Any, task: str | None = None) -> torch.nn.Module:
+    cls = _model_class(config, task)
+    return cls.from_config(config) if cls.__name__.startswith("AutoModel") else cls(config)
 
 
 # Config attributes that hold how many positions a model has, by architecture family.
@@ -165,14 +173,17 @@ def check_positions(config: Any, max_length: int, where: str) -> None:
                           f"({name}); lower data.max_length, or raise train.model_config.{name}")
 
 
-def check_model(train: TrainConfig, max_length: int) -> None:
+def check_model(train: TrainConfig, max_length: int, task: str = "causal-lm") -> None:
     """Before the tokenizer, data or weights load: the model's config, built on the meta device.
 
     A config-built model runs one forward pass there (shapes only, no memory, ~0.1 s), which
     finds sizes that do not fit together (heads, key/value heads, negative sizes) as one
     ConfigError instead of a traceback in the middle of setup.
     """
-    config = model_config(train)
+    from .tasks import SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION, label_settings
+
+    labels = label_settings(train, task, None, None) if train.num_labels or train.id2label or train.label2id else None
+    config = model_config(train, labels=labels)
     if config is None:
         return
     check_positions(config, max_length, f"the model ({train.model})")
@@ -181,9 +192,12 @@ def check_model(train: TrainConfig, max_length: int) -> None:
     length = min(max_length, 16)
     try:
         with torch.device("meta"):
-            model = _instantiate(config)
+            model = _instantiate(config, train.task)
             ids = torch.zeros(2, length, dtype=torch.long)
-            model(input_ids=ids, labels=ids)
+            targets = {SEQUENCE_CLASSIFICATION: ids[:, 0], TOKEN_CLASSIFICATION: ids}.get(task, ids)
+            if getattr(config, "problem_type", None) in ("regression", "multi_label_classification"):
+                targets = torch.zeros(2, config.num_labels)
+            model(input_ids=ids, labels=targets)
     except Exception as exc:
         where = "train.model_config" if train.model_config else f"train.model: {train.model}"
         raise ConfigError(f"{where}: a {config.model_type} model with this config fails on a test batch: "
@@ -202,10 +216,15 @@ def check_forward(model: torch.nn.Module, key: str) -> None:
                           "accept them, or add a plugin whose compute_loss calls the model its way")
 
 
-def _model_class(config: Any) -> Any:
-    """The class the config names in ``architectures``, else the causal-LM auto class."""
+def _model_class(config: Any, task: str | None = None) -> Any:
+    """The auto class of ``task`` (``train.task``) when set, else the class the config names in
+    ``architectures``, else the causal-LM auto class."""
     import transformers
 
+    from .tasks import auto_class
+
+    if task is not None:
+        return auto_class(task)
     for name in getattr(config, "architectures", None) or ():
         cls = getattr(transformers, name, None)
         if cls is not None:

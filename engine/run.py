@@ -119,9 +119,28 @@ class Run:
         self.undo_patches: list[Callable[[], None]] = []
         self.run_id: str | None = None  # set when training claims output_dir (engine.rundir)
         self.is_setup = False
+        self._task: str | None = None
+        self._model_given = model is not None
+        if self.config.train.task or model is not None:  # else the model's config says it, read in setup
+            from .tasks import configure
+
+            configure(self.config.train, self.task)
         self.hook.configure(run=self)
 
     # ------------------------------------------------------------------ setup
+
+    @property
+    def task(self) -> str:
+        """What the model learns (engine/tasks.py): ``train.task``, else what the given model or the
+        model config's ``architectures`` say, else ``"causal-lm"``."""
+        if self._task is None:
+            from .models import model_config
+            from .tasks import resolve_task
+
+            train = self.config.train
+            config = model_config(train) if self.model is None and not train.task else None
+            self._task = resolve_task(train, self.model, config)
+        return self._task
 
     @property
     def output_dir(self) -> Path:
@@ -139,44 +158,55 @@ class Run:
         if self.is_setup:
             return
         from . import data as data_mod
+        from . import tasks
         from .loss import shifts_labels
         from .models import build_model, check_model
 
         train, data = self.config.train, self.config.data
         self.setup_strategy()
         set_seed(train.seed)
+        task = self.task
+        tasks.configure(train, task)
         if self.model is None:
-            check_model(train, data.max_length)  # its config, before the tokenizer, data and weights load
+            check_model(train, data.max_length, task)  # its config, before the tokenizer, data and weights load
         else:
             self._check_model("model")
         given = self.train_dataset
         if given is None or data_mod.is_datasets_object(given):
             data_mod.show_progress(not train.disable_tqdm)
-        if self.tokenizer is None and (given is None or self.model is None or data_mod.needs_tokenizer(given, data)):
+        if self.tokenizer is None and (given is None or self.model is None or
+                                       data_mod.needs_tokenizer(given, data, task)):
             self.tokenizer = data_mod.build_tokenizer(data, train.model, given if data_mod.is_datasets_object(given)
-                                                      else None)
+                                                      else None, task)
+        label2id = tasks.label_ids_by_name(train)
         if given is None:
             data_mod.check_config(data)
             built = self.hook.create_datasets(run=self)
             if not isinstance(built, data_mod.Datasets):
                 raise ConfigError(f"create_datasets returned a {type(built).__name__}, expected engine.data.Datasets")
-            self.train_dataset = data_mod.prepare_given(built.train, data, self.tokenizer, "train dataset")
+            self.train_dataset = data_mod.prepare_given(built.train, data, self.tokenizer, "train dataset", task,
+                                                        label2id)
             self.eval_dataset = self.eval_dataset if self.eval_dataset is not None else built.eval
             self.data_collator = self.data_collator or built.collator
         else:
-            self.train_dataset = data_mod.prepare_given(given, data, self.tokenizer, "train_dataset")
-        self.eval_dataset = data_mod.prepare_given(self.eval_dataset, data, self.tokenizer, "eval_dataset")
-        if self.data_collator is None:
-            self.data_collator = data_mod.collator_for(data, self.tokenizer)
+            self.train_dataset = data_mod.prepare_given(given, data, self.tokenizer, "train_dataset", task, label2id)
+        self.eval_dataset = data_mod.prepare_given(self.eval_dataset, data, self.tokenizer, "eval_dataset", task,
+                                                   label2id)
         if self.compute_metrics is None and train.compute_metrics:
             from .util import load_callable
 
             self.compute_metrics = load_callable(train.compute_metrics, "train.compute_metrics")
             self.compute_metrics_key = "train.compute_metrics"
         if self.model is None:
+            labels = tasks.label_settings(train, task, tasks.label_names(self.train_dataset, task),
+                                          self.train_dataset)
             with self.strategy.model_init_context():
-                self.model = build_model(train, self.tokenizer)
+                self.model = build_model(train, self.tokenizer, labels)
             self._check_model("train.model")
+        self._check_task_data(task)
+        if self.data_collator is None:
+            self.data_collator = tasks.collator(task, self.tokenizer, self.model) or \
+                data_mod.collator_for(data, self.tokenizer)
         if data.packing == "document":
             data_mod.enable_document_packing(self.model)
         self.label_shift = shifts_labels(self.model)
@@ -206,6 +236,20 @@ class Run:
         """Undo what ``patch_model`` did, newest first (idempotent): the model is left as it was built."""
         while self.undo_patches:
             self.undo_patches.pop()()
+
+    def _check_task_data(self, task: str) -> None:
+        """Class ids within the model's classes; a model that can generate for predict_with_generate."""
+        from . import tasks
+
+        if self.config.train.predict_with_generate:
+            tasks.check_can_generate(self.model, "the model given" if self._model_given else "train.model")
+        num_labels = getattr(getattr(self.model, "config", None), "num_labels", None)
+        if task not in tasks.CLASSIFICATION or not isinstance(num_labels, int):
+            return
+        tasks.check_labels(self.train_dataset, num_labels, "data.train")
+        evaluation = self.eval_dataset if isinstance(self.eval_dataset, dict) else {None: self.eval_dataset}
+        for name, dataset in evaluation.items():
+            tasks.check_labels(dataset, num_labels, "data.eval" if name is None else f"eval_dataset[{name!r}]")
 
     def _check_model(self, key: str) -> None:
         """The model fits the data (positions) and, with the default loss, takes ``model(**batch)``."""
@@ -285,14 +329,24 @@ class Run:
         from .loop import evaluate
 
         self.setup()
-        return evaluate(self, eval_dataset, metric_key_prefix)
+        return evaluate(self, self._prepared(eval_dataset, "eval_dataset"), metric_key_prefix)
 
     def predict(self, dataset: Any, metric_key_prefix: str = "test") -> PredictionOutput:
         """Predictions (logits), label ids and metrics over ``dataset``, like ``Trainer.predict``."""
         from .loop import predict
 
         self.setup()
-        return predict(self, dataset, metric_key_prefix)
+        return predict(self, self._prepared(dataset, "dataset"), metric_key_prefix)
+
+    def _prepared(self, dataset: Any, key: str) -> Any:
+        """Rows of a datasets object tokenized as the run's data is (others as they are)."""
+        from .data import prepare_given
+        from .tasks import label_ids_by_name
+
+        if dataset is None:
+            return None
+        return prepare_given(dataset, self.config.data, self.tokenizer, key, self.task,
+                             label_ids_by_name(self.config.train))
 
     def plan(self) -> str:
         """The composed run as text: plugins, hook call order, the full config."""

@@ -244,7 +244,8 @@ def _logged_values(run: Run) -> list[dict[str, Any]]:
 
 def assert_resume_is_exact(steps: int, save_at: int, output_dir: str | Path, *, plugins: list[str] = (),
                            train: dict[str, Any] | None = None, model_config: dict[str, Any] | None = None,
-                           objects: list[Any] = (), **run_kwargs: Any) -> ResumeCheck:
+                           objects: list[Any] = (), make_model: Callable[[int], torch.nn.Module] | None = None,
+                           **run_kwargs: Any) -> ResumeCheck:
     """Assert that stopping at a checkpoint and resuming changes nothing.
 
     Trains :func:`tiny_model` ``steps`` steps straight, with a checkpoint every ``save_at`` steps
@@ -257,19 +258,23 @@ def assert_resume_is_exact(steps: int, save_at: int, output_dir: str | Path, *, 
       timings aside), one loss per step;
     * the final weights and the final optimizer state (``state_dict()``).
 
-    ``train`` adds ``[train]`` keys, ``model_config`` goes to :func:`tiny_model`, the other
-    keywords to :func:`run_steps` for both runs. Returns both runs, the checkpoint folder and the
+    ``train`` adds ``[train]`` keys, ``model_config`` goes to :func:`tiny_model`; ``make_model(seed)``
+    builds another model instead (a classifier, a seq2seq model); the other keywords go to
+    :func:`run_steps` for both runs. Returns both runs, the checkpoint folder and the
     restored optimizer state, for the plugin's own checks.
     """
     output_dir = Path(output_dir)
     train = {**(train or {}), "save_strategy": "steps", "save_steps": save_at}
     checkpoint = output_dir / "straight" / f"checkpoint-{save_at}"
     at_start = _OptimizerAtStart()
+    if make_model is None:
+        def make_model(seed: int) -> torch.nn.Module:
+            return tiny_model(seed=seed, **(model_config or {}))
+
     straight = run_steps(steps, plugins, objects=[*objects, _OptimizerAtStart()], output_dir=output_dir / "straight",
-                         train=train, model=tiny_model(seed=0, **(model_config or {})), **run_kwargs)
+                         train=train, model=make_model(0), **run_kwargs)
     resumed = run_steps(steps, plugins, objects=[*objects, at_start], output_dir=output_dir / "resumed",
-                        train={**train, "resume_from_checkpoint": str(checkpoint)},
-                        model=tiny_model(seed=1, **(model_config or {})), **run_kwargs)
+                        train={**train, "resume_from_checkpoint": str(checkpoint)}, model=make_model(1), **run_kwargs)
     assert straight.state.global_step == resumed.state.global_step == steps
     assert_same_state(at_start.state, torch.load(checkpoint / "optimizer.pt", weights_only=True),
                       path="optimizer state at the resume")

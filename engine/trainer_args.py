@@ -10,7 +10,8 @@ One :class:`Answer` per field, of five kinds:
 
 :data:`FIELDS` covers the installed transformers' fields exactly (a test walks
 ``dataclasses.fields(TrainingArguments)``, so a new release shows its new names at once);
-:data:`LEGACY` answers names of older releases found in older dumps. ``engine migrate``
+:data:`SEQ2SEQ_FIELDS` those ``Seq2SeqTrainingArguments`` adds; :data:`LEGACY` answers names of
+older releases found in older dumps. ``engine migrate``
 (:mod:`engine.migration`) converts a ``TrainingArguments`` dump with it, and
 ``docs/generate_trainer_arguments.py`` renders it into ``docs/trainer-arguments.md``.
 
@@ -657,7 +658,17 @@ LEGACY: dict[str, Answer] = _named({
 })
 
 
+# the fields Seq2SeqTrainingArguments adds (a Seq2SeqTrainer run: train.task = "seq2seq")
+SEQ2SEQ_FIELDS: dict[str, Answer] = _named({
+    "sortish_sampler": not_yet("no length-sorted sampler: examples come in a seeded random order"),
+    "predict_with_generate": accepted(note="evaluation's compute_metrics gets generate()'s token ids"),
+    "generation_max_length": accepted(),
+    "generation_num_beams": accepted(),
+    "generation_config": accepted(note="a folder holding generation_config.json, or a table of its values"),
+})
+
+
 def answer_for(name: str) -> Answer | None:
-    """The answer for a TrainingArguments field name (current or older), or None."""
-    return FIELDS.get(name) or LEGACY.get(name)
+    """The answer for a TrainingArguments or Seq2SeqTrainingArguments field name (current or older), or None."""
+    return FIELDS.get(name) or SEQ2SEQ_FIELDS.get(name) or LEGACY.get(name)
 

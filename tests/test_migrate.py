@@ -16,14 +16,14 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from transformers import TrainingArguments
+from transformers import Seq2SeqTrainingArguments, TrainingArguments
 
 import engine
 from engine.cli import main
 from engine.config import TrainConfig
 from engine.plugins import PluginManager, installed_plugins
 from engine.testing import assert_one_line_error
-from engine.trainer_args import ACCEPTED, FIELDS, KINDS, LEGACY, PLUGIN
+from engine.trainer_args import ACCEPTED, FIELDS, KINDS, LEGACY, PLUGIN, SEQ2SEQ_FIELDS
 
 ROOT = Path(__file__).resolve().parents[1]
 DEEPSPEED_ZERO2 = {
@@ -91,7 +91,9 @@ def test_every_field_of_the_installed_transformers_has_an_answer():
     assert not gone, f"no longer TrainingArguments fields (move them to LEGACY): {gone}"
     assert not set(LEGACY) & set(names), "LEGACY holds current fields"
     assert list(FIELDS) == names  # the table reads in the dataclass's order
-    for name, answer in {**FIELDS, **LEGACY}.items():
+    seq2seq = [f.name for f in dataclasses.fields(Seq2SeqTrainingArguments) if f.name not in names]
+    assert list(SEQ2SEQ_FIELDS) == seq2seq, "Seq2SeqTrainingArguments' own fields and SEQ2SEQ_FIELDS differ"
+    for name, answer in {**FIELDS, **SEQ2SEQ_FIELDS, **LEGACY}.items():
         assert answer.kind in KINDS, name
         if answer.kind in (ACCEPTED, PLUGIN):
             assert answer.keys or answer.convert, name
@@ -101,12 +103,12 @@ def test_every_field_of_the_installed_transformers_has_an_answer():
 
 
 def test_every_answer_names_a_real_train_key_or_plugin_option():
-    plugins = sorted({p for answer in {**FIELDS, **LEGACY}.values() for p in answer.plugins})
+    plugins = sorted({p for answer in {**FIELDS, **SEQ2SEQ_FIELDS, **LEGACY}.values() for p in answer.plugins})
     missing = [p for p in plugins if p not in installed_plugins()]
     if missing:
         pytest.skip(f"plugins not installed: {missing}")
     schemas = {"train": TrainConfig, **PluginManager(enabled=plugins).option_schemas()}
-    for name, answer in {**FIELDS, **LEGACY}.items():
+    for name, answer in {**FIELDS, **SEQ2SEQ_FIELDS, **LEGACY}.items():
         if answer.kind == ACCEPTED:
             assert any(key.startswith("train.") for key in answer.keys), name
         if answer.kind == PLUGIN:
@@ -123,6 +125,16 @@ def test_trainer_arguments_doc_is_up_to_date():
     spec.loader.exec_module(module)
     assert (ROOT / "docs" / "trainer-arguments.md").read_text() == module.render(), \
         "docs/trainer-arguments.md is stale: run python docs/generate_trainer_arguments.py"
+
+
+def test_seq2seq_training_arguments_convert_their_generation_fields():
+    arguments = Seq2SeqTrainingArguments(output_dir="out/t5", predict_with_generate=True, generation_max_length=64,
+                                         generation_num_beams=4, sortish_sampler=True, report_to="none")
+    migration = engine.migrate(arguments)
+    train = tomllib.loads(migration.toml())["train"]
+    assert (train["predict_with_generate"], train["generation_max_length"], train["generation_num_beams"]) == \
+        (True, 64, 4)
+    assert "sortish_sampler = true" in migration.report() and "generation_config" not in train
 
 
 # ---------------------------------------------------------------------------- realistic runs

@@ -17,11 +17,13 @@ def configure(run):
 @hookimpl(trylast=True)
 def create_datasets(run):
     from engine.data import build_datasets
+    from engine.tasks import label_ids_by_name
 
     train = run.config.train
     return build_datasets(run.config.data, run.tokenizer, train.seed,
                           shuffle=train.train_sampling_strategy == "random",
-                          rank=run.strategy.rank, world_size=run.strategy.world_size)
+                          rank=run.strategy.rank, world_size=run.strategy.world_size,
+                          task=run.task, label2id=label_ids_by_name(train))
 
 
 @hookimpl
