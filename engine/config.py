@@ -114,8 +114,13 @@ class TrainConfig:
         "distributed strategy name; 'auto' takes the one an enabled plugin provides, else 'single'"))
     logging_steps: int = option(10, min=1, help="log metrics every N optimizer steps")
     logging_first_step: bool = option(False, help="also log after the first step")
+    logging_strategy: Literal["no", "steps", "epoch"] = option("steps", help=(
+        "when to log the training loss: every logging_steps steps (and the last), at each epoch's end, or never"))
     eval_strategy: Literal["no", "steps", "epoch"] = option("no", help="when to evaluate")
     eval_steps: int | None = option(None, min=1, help="evaluate every N steps (default: logging_steps)")
+    eval_delay: float = option(0.0, min=0, help=(
+        "no evaluation before this step (eval_strategy 'steps') or epoch (eval_strategy 'epoch')"))
+    eval_on_start: bool = option(False, help="evaluate once before the first step (a sanity check)")
     save_strategy: Literal["no", "steps", "epoch"] = option("steps", help="when to save a checkpoint")
     save_steps: int = option(500, min=1, help="save every N steps when save_strategy = 'steps'")
     save_total_limit: int | None = option(None, min=1, help=(
@@ -151,6 +156,8 @@ class TrainConfig:
     train_sampling_strategy: Literal["random", "sequential"] = option("random", help=(
         "order of the training examples: a seeded shuffle each epoch, or the dataset's order"))
     disable_tqdm: bool = option(False, help="no console progress bar")
+    restore_callback_states_from_checkpoint: bool = option(False, help=(
+        "on resume: TrainerCallbacks with state (ExportableState, e.g. EarlyStoppingCallback) get it back"))
     log_level: Literal["passive", "debug", "info", "warning", "error", "critical"] = option("passive", help=(
         "log level of the main process for the engine and transformers loggers ('passive': "
         "engine info, transformers' own default)"))

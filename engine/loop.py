@@ -140,8 +140,18 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
         hook.on_train_mode(run=run)
 
     eval_every = (train_cfg.eval_steps or train_cfg.logging_steps) if train_cfg.eval_strategy == "steps" else 0
+    eval_delay = train_cfg.eval_delay
     save_every = train_cfg.save_steps if train_cfg.save_strategy == "steps" else 0
-    log_every = train_cfg.logging_steps
+    log_every = train_cfg.logging_steps if train_cfg.logging_strategy == "steps" else 0
+    log_first = train_cfg.logging_first_step
+
+    def log_now() -> None:
+        control.should_log = False
+        metrics = logged.flush(lr)
+        if main:
+            run.isolated_hooks.call("log_metrics", metrics=metrics, step=state.global_step)
+        logged.stop_if_diverged()
+
     steps_per_epoch = state.steps_per_epoch  # 0 for an IterableDataset: an epoch ends when it does
     num_epochs = math.ceil(state.max_steps / steps_per_epoch) if steps_per_epoch else None
     sampler = run.train_loader.sampler if hasattr(run.train_loader.sampler, "set_epoch") else None
@@ -163,6 +173,9 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
     try:
         hook.on_train_start(run=run)
         hook.on_train_mode(run=run)
+        if train_cfg.eval_on_start:  # as Trainer: reported, but not a candidate for the best model
+            evaluate(run)
+            hook.on_train_mode(run=run)
         first_epoch = state.global_step // steps_per_epoch if steps_per_epoch else 0
         for epoch in itertools.count(first_epoch) if num_epochs is None else range(first_epoch, num_epochs):
             if state.global_step >= state.max_steps:
@@ -205,12 +218,9 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
 
                 step = state.global_step
                 last = step >= state.max_steps
-                if step % log_every == 0 or (train_cfg.logging_first_step and step == 1) or last:
-                    metrics = logged.flush(lr)
-                    if main:
-                        run.isolated_hooks.call("log_metrics", metrics=metrics, step=step)
-                    logged.stop_if_diverged()
-                if (eval_every and step % eval_every == 0) or control.should_evaluate:
+                if (log_every and (step % log_every == 0 or last)) or (log_first and step == 1) or control.should_log:
+                    log_now()
+                if (eval_every and step % eval_every == 0 and step >= eval_delay) or control.should_evaluate:
                     control.should_evaluate = False
                     evaluate_now()
                 if (save_every and step % save_every == 0) or control.should_save:
@@ -219,7 +229,9 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
                 if control.should_stop or last:
                     break
             hook.on_epoch_end(run=run)
-            if train_cfg.eval_strategy == "epoch" or control.should_evaluate:
+            if (train_cfg.logging_strategy == "epoch" or control.should_log) and logged.count:
+                log_now()
+            if (train_cfg.eval_strategy == "epoch" and state.epoch >= eval_delay) or control.should_evaluate:
                 control.should_evaluate = False
                 evaluate_now()
             if train_cfg.save_strategy == "epoch" or control.should_save:
@@ -230,11 +242,9 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
         if control.should_stop and state.global_step < state.max_steps:
             logger.info("stopped at step %d of %d: %s", state.global_step, state.max_steps,
                         control.stop_reason or "a plugin set run.control.should_stop")
-        if logged.count:  # steps since the last log, when a plugin stopped the run
-            metrics = logged.flush(lr)
-            if main:
-                run.isolated_hooks.call("log_metrics", metrics=metrics, step=state.global_step)
-            logged.stop_if_diverged()
+        if logged.count and train_cfg.logging_strategy == "steps":  # steps since the last log, when a plugin stopped the run
+            log_now()
+        logged.stop_if_diverged()
         runtime = time.perf_counter() - start_time
         steps = state.global_step - start_step
         summary = {
@@ -349,7 +359,8 @@ class _Interval:
 
     @property
     def mean_loss(self) -> float:
-        return round(self.total_loss / self.total_steps, 6) if self.total_steps else float("nan")
+        steps = self.total_steps + self.steps  # with the steps read but not logged (logging_strategy "no")
+        return round((self.total_loss + self.loss) / steps, 6) if steps else float("nan")
 
 
 def _host_values(values: tuple[Any, ...]) -> list[float | None]:
@@ -464,7 +475,10 @@ def _evaluate_one(run: Run, dataset: Any, prefix: str, want_predictions: bool) -
                 weight_sum += float(weight)
                 samples += rows
                 if collect:
-                    predictions.append(logits_of(outputs[-1]).detach().float().cpu())
+                    logits = logits_of(outputs[-1]).detach()
+                    if run.preprocess_logits_for_metrics is not None:  # e.g. argmax: keep less per batch
+                        logits = run.preprocess_logits_for_metrics(logits, batch.get("labels"))
+                    predictions.append(logits.cpu() if run.preprocess_logits_for_metrics else logits.float().cpu())
                     if "labels" in batch:
                         label_ids.append(batch["labels"].cpu())
                 on_prediction_step(run=run, step=index, total=total)

@@ -36,16 +36,16 @@ def set_seed(seed: int) -> None:
     numpy.random.seed(seed)
 
 
-def _plugin_objects(plugins: Any) -> dict[str, Any]:
+def _plugin_objects(plugins: Any) -> tuple[dict[str, Any], list[Any]]:
+    """The plugin objects by name, and the TrainerCallbacks among ``plugins`` (run by their adapter)."""
+    from .builtin.callbacks import is_callback
+
     if plugins is None:
-        return {}
-    if isinstance(plugins, dict):
-        return dict(plugins)
-    objects = {}
-    for plugin in plugins:
-        name = getattr(plugin, "name", None) or getattr(plugin, "__name__", None) or type(plugin).__name__
-        objects[name] = plugin
-    return objects
+        return {}, []
+    items = plugins.items() if isinstance(plugins, dict) else [
+        (getattr(p, "name", None) or getattr(p, "__name__", None) or type(p).__name__, p) for p in plugins]
+    objects = {name: plugin for name, plugin in items if not is_callback(plugin)}
+    return objects, [plugin for _, plugin in items if is_callback(plugin)]
 
 
 class Run:
@@ -58,6 +58,12 @@ class Run:
     replace what the config would build, as in ``transformers.Trainer``. ``plugins`` adds
     plugin objects (modules or instances with ``@hookimpl`` functions) without entry points:
     a list (named by their ``name`` / ``__name__``) or a {name: plugin} dict.
+
+    Trainer's other constructor arguments: ``processing_class`` (the tokenizer's newer name),
+    ``model_init`` (called for a fresh model when the run sets up), ``callbacks``
+    (``transformers.TrainerCallback`` instances or classes, also accepted in ``plugins``; run by
+    :mod:`engine.builtin.callbacks`), ``compute_loss_func(outputs, labels, num_items_in_batch)``
+    and ``preprocess_logits_for_metrics(logits, labels)``.
     """
 
     def __init__(
@@ -73,6 +79,11 @@ class Run:
         plugins: Any = None,
         overrides: list[str] = (),
         plugin_edits: list[str] = (),
+        callbacks: list[Any] | None = None,
+        processing_class: Any = None,
+        model_init: Callable[..., torch.nn.Module] | None = None,
+        compute_loss_func: Callable[..., torch.Tensor] | None = None,
+        preprocess_logits_for_metrics: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ):
         quiet_known_noise()  # before the plugins (and the libraries they import) load
         if isinstance(config, (str, Path)):
@@ -82,13 +93,14 @@ class Run:
         environment = EnvironmentPlugins.read()
         in_config = cfg.enabled_plugins(raw)
         raw, left_out = environment.exclude(cfg.apply_overrides(raw, overrides, [*environment.edits(), *plugin_edits]))
-        objects = _plugin_objects(plugins)
+        objects, given_callbacks = _plugin_objects(plugins)
         enabled = cfg.enabled_plugins(raw)
         raw["plugins"] = enabled + [name for name in objects if name not in enabled]
         origins = {name: "Run(plugins=...)" if name in objects else "the run config" if name in in_config
                    else PLUGINS_ENV if name in environment.added else "--plugins" for name in raw["plugins"]}
         self.plugin_manager = PluginManager(raw["plugins"], objects, origins=origins, excluded=environment.excluded,
                                             required=cfg.required_plugins(raw))
+        _register_trainer_arguments(self.plugin_manager, [*(callbacks or ()), *given_callbacks], compute_loss_func)
         self.hook = self.plugin_manager.hook
         self.isolated_hooks = IsolatedHooks(self)  # the logging hooks and on_checkpoint_saved
         self.registries = self.plugin_manager.registries
@@ -102,9 +114,16 @@ class Run:
 
         self.state = TrainState()
         self.control = Control()
+        if model is not None and model_init is not None:
+            raise ConfigError("Run: pass model or model_init, not both")
+        if tokenizer is not None and processing_class is not None and tokenizer is not processing_class:
+            raise ConfigError("Run: tokenizer and processing_class are the same argument (processing_class is "
+                              "Trainer's newer name); pass one")
         self.model = model  # the module as built and patched (saved, inspected)
+        self.model_init = model_init
+        self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.wrapped_model: torch.nn.Module | None = None  # what the strategy returned (forward)
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer if tokenizer is not None else processing_class
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
         self.data_collator = data_collator
@@ -145,6 +164,8 @@ class Run:
         train, data = self.config.train, self.config.data
         self.setup_strategy()
         set_seed(train.seed)
+        if self.model is None and self.model_init is not None:
+            self.model = _call_model_init(self.model_init)
         if self.model is None:
             check_model(train, data.max_length)  # its config, before the tokenizer, data and weights load
         else:
@@ -299,6 +320,32 @@ class Run:
         from .plan import render_plan
 
         return render_plan(self)
+
+
+def _register_trainer_arguments(plugin_manager: PluginManager, callbacks: list[Any], compute_loss_func: Any) -> None:
+    """The builtins that only some runs need, registered only then (no cost per step otherwise)."""
+    if callbacks:
+        from .builtin.callbacks import PLUGIN, TrainerCallbacks
+
+        plugin_manager.pm.register(TrainerCallbacks(callbacks), name=PLUGIN)
+    if compute_loss_func is not None:
+        from .builtin.loss import PLUGIN_LOSS_FUNC, ComputeLossFunc
+
+        plugin_manager.pm.register(ComputeLossFunc(compute_loss_func), name=PLUGIN_LOSS_FUNC)
+
+
+def _call_model_init(model_init: Callable[..., Any]) -> torch.nn.Module:
+    """``model_init()`` (or ``model_init(None)`` for one that takes a trial, as Trainer calls it)."""
+    import inspect
+
+    from .util import call_user
+
+    name = getattr(model_init, "__qualname__", type(model_init).__name__)
+    takes_trial = len(inspect.signature(model_init).parameters) == 1
+    model = call_user("model_init", name, model_init, *([None] if takes_trial else []))
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"model_init: {name} returned {type(model).__name__}, expected a torch.nn.Module")
+    return model
 
 
 def _resolve_defaults(train: cfg.TrainConfig) -> None:
