@@ -63,7 +63,9 @@ class Run:
     ``model_init`` (called for a fresh model when the run sets up), ``callbacks``
     (``transformers.TrainerCallback`` instances or classes, also accepted in ``plugins``; run by
     :mod:`engine.builtin.callbacks`), ``compute_loss_func(outputs, labels, num_items_in_batch)``
-    and ``preprocess_logits_for_metrics(logits, labels)``.
+    and ``preprocess_logits_for_metrics(logits, labels)``, ``optimizers=(optimizer, scheduler)``
+    and ``optimizer_cls_and_kwargs=(cls, kwargs)`` (instead of ``train.optim``; a scheduler of
+    None is built from ``[train]``).
     """
 
     def __init__(
@@ -84,6 +86,8 @@ class Run:
         model_init: Callable[..., torch.nn.Module] | None = None,
         compute_loss_func: Callable[..., torch.Tensor] | None = None,
         preprocess_logits_for_metrics: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        optimizers: tuple[Any, Any] | None = None,
+        optimizer_cls_and_kwargs: tuple[type, dict[str, Any]] | None = None,
     ):
         quiet_known_noise()  # before the plugins (and the libraries they import) load
         if isinstance(config, (str, Path)):
@@ -101,6 +105,12 @@ class Run:
         self.plugin_manager = PluginManager(raw["plugins"], objects, origins=origins, excluded=environment.excluded,
                                             required=cfg.required_plugins(raw))
         _register_trainer_arguments(self.plugin_manager, [*(callbacks or ()), *given_callbacks], compute_loss_func)
+        if optimizers is not None or optimizer_cls_and_kwargs is not None:
+            from .builtin.optimizers import GIVEN, GivenOptimizer
+
+            optim_named = "optim" in (raw.get("train") or {})
+            self.plugin_manager.pm.register(GivenOptimizer(optimizers, optimizer_cls_and_kwargs, optim_named),
+                                            name=GIVEN)
         self.hook = self.plugin_manager.hook
         self.isolated_hooks = IsolatedHooks(self)  # the logging hooks and on_checkpoint_saved
         self.registries = self.plugin_manager.registries
