@@ -153,6 +153,22 @@ class TrainConfig:
         "'package.module:function' taking an EvalPrediction and returning a dict of floats"))
     dataloader_num_workers: int = option(0, min=0, help="DataLoader worker processes")
     dataloader_drop_last: bool = option(False, help="drop the last incomplete batch")
+    dataloader_pin_memory: bool = option(True, help="page-locked batches when training on a GPU")
+    dataloader_persistent_workers: bool = option(False, help=(
+        "keep the DataLoader's workers between epochs (needs dataloader_num_workers > 0)"))
+    dataloader_prefetch_factor: int | None = option(None, min=1, help=(
+        "batches each worker loads ahead (needs dataloader_num_workers > 0; default: torch's 2)"))
+    dataloader_multiprocessing_context: Literal["fork", "spawn", "forkserver"] | None = option(None, help=(
+        "start method of the DataLoader's workers (default: the platform's)"))
+    dataloader_in_order: bool = option(True, help="workers' batches in sampler order (false: as they are ready)")
+    data_seed: int | None = option(None, min=0, max=2**32 - 1, help=(
+        "seed of the data order (default: seed): the same batches whatever the model's seed"))
+    include_num_input_tokens_seen: bool | Literal["no", "all", "non_padding"] = option("no", help=(
+        "log num_input_tokens_seen: every input token ('all' or true) or those the attention mask keeps "
+        "('non_padding')"))
+    full_determinism: bool = option(False, help=(
+        "torch's deterministic algorithms and cuDNN settings for the whole process (slower; as Trainer's)"))
+    tf32: bool | None = option(None, help="allow TF32 matmuls and convolutions on Ampere+ GPUs (default: torch's)")
     train_sampling_strategy: Literal["random", "sequential"] = option("random", help=(
         "order of the training examples: a seeded shuffle each epoch, or the dataset's order"))
     disable_tqdm: bool = option(False, help="no console progress bar")

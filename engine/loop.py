@@ -162,6 +162,7 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
     optimizer = run.optimizer
     shift = run.label_shift
     distributed = strategy.world_size > 1
+    non_padding = train_cfg.include_num_input_tokens_seen == "non_padding"  # a tensor sum: no host sync
     skipped_in_a_row = 0
 
     lr = float(optimizer.param_groups[0]["lr"])
@@ -200,7 +201,8 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
                     num_items = sum(count_items(batch["labels"], shift) for batch in window)
                     if distributed:
                         num_items = strategy.reduce(num_items, "sum")
-                logged.tokens += sum(b["input_ids"].numel() for b in window if "input_ids" in b)
+                logged.tokens += sum(b["attention_mask"].sum() if non_padding and "attention_mask" in b
+                                     else b["input_ids"].numel() for b in window if "input_ids" in b)
 
                 lr = float(optimizer.param_groups[0]["lr"])  # a tensor for some optimizers (torchao)
                 out = training_step(run=run, batches=window, num_items_in_batch=num_items)
@@ -245,6 +247,7 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
         if logged.count and train_cfg.logging_strategy == "steps":  # steps since the last log, when a plugin stopped the run
             log_now()
         logged.stop_if_diverged()
+        logged.count_tokens()  # those not logged (logging_strategy "no" or "epoch")
         runtime = time.perf_counter() - start_time
         steps = state.global_step - start_step
         summary = {
@@ -287,6 +290,7 @@ class _Interval:
         self.state = run.state
         self.check_grad_norm = not run.strategy.scales_loss
         self.log_skipped = run.config.train.on_nonfinite == "skip"
+        self.log_tokens_seen = run.config.train.include_num_input_tokens_seen != "no"
         self.pending: list[tuple[int, torch.Tensor, Any]] = []
         self.divergence: tuple[str, int] | None = None
         self.count = 0  # steps since the last flush, skipped ones included
@@ -340,22 +344,31 @@ class _Interval:
         loss = self.loss / self.steps if self.steps else math.nan
         self.total_loss += self.loss
         self.total_steps += self.steps
-        if self.run.strategy.world_size > 1:  # every process's tokens (a sync here already: read())
-            self.tokens = int(self.run.strategy.reduce(torch.tensor(float(self.tokens)), "sum"))
-        self.state.num_input_tokens_seen += self.tokens
+        tokens = self.count_tokens()
         metrics = {"loss": round(loss, 6), "learning_rate": lr}
         if self.grad_norm is not None:
             metrics["grad_norm"] = round(self.grad_norm, 6)
         metrics.update({
-            "tokens_per_second": round(self.tokens / elapsed, 1) if elapsed else 0.0,
+            "tokens_per_second": round(tokens / elapsed, 1) if elapsed else 0.0,
             "step_time": round(elapsed / max(self.count, 1), 6),
             "epoch": round(self.state.epoch, 4),
         })
+        if self.log_tokens_seen:
+            metrics["num_input_tokens_seen"] = self.state.num_input_tokens_seen
         if self.log_skipped:
             metrics["skipped_steps"] = self.state.num_skipped_steps
         self.state.log_history.append({"step": self.state.global_step, **metrics})
-        self.loss, self.steps, self.count, self.tokens, self.started = 0.0, 0, 0, 0, now
+        self.loss, self.steps, self.count, self.started = 0.0, 0, 0, now
         return metrics
+
+    def count_tokens(self) -> int:
+        """Move this interval's input tokens (every process's) to ``state.num_input_tokens_seen``."""
+        tokens = self.tokens
+        if self.run.strategy.world_size > 1:  # a sync, where the loop syncs anyway
+            tokens = self.run.strategy.reduce(torch.as_tensor(tokens, dtype=torch.float64), "sum")
+        self.tokens = 0
+        self.state.num_input_tokens_seen += int(tokens)
+        return int(tokens)
 
     @property
     def mean_loss(self) -> float:
@@ -439,8 +452,7 @@ def _evaluate_one(run: Run, dataset: Any, prefix: str, want_predictions: bool) -
         # so up to world_size - 1 samples repeat at the end: their labels are masked below
         sampler = EpochSampler(length, 0, False, strategy.rank, strategy.world_size)
     loader = torch.utils.data.DataLoader(dataset, batch_size=train_cfg.per_device_eval_batch_size,
-                                         sampler=sampler, collate_fn=run.data_collator,
-                                         num_workers=train_cfg.dataloader_num_workers,
+                                         sampler=sampler, collate_fn=run.data_collator, **run.loader_options(),
                                          generator=torch.Generator().manual_seed(train_cfg.seed))
     compute_loss, on_prediction_step = run.hook.compute_loss, run.hook.on_prediction_step
     total = len(loader) if sampler is not None else None

@@ -174,6 +174,7 @@ class Run:
         train, data = self.config.train, self.config.data
         self.setup_strategy()
         set_seed(train.seed)
+        _set_determinism(train)
         if self.model is None and self.model_init is not None:
             self.model = _call_model_init(self.model_init)
         if self.model is None:
@@ -270,18 +271,30 @@ class Run:
                 raise ConfigError(f"train.per_device_train_batch_size: {train.per_device_train_batch_size} per device "
                                   f"x {self.strategy.world_size} process(es) is more than the {length} train examples; "
                                   "lower it, or give more data")
-            sampler = EpochSampler(length, train.seed, train.train_sampling_strategy == "random",
+            data_seed = train.data_seed if train.data_seed is not None else train.seed
+            sampler = EpochSampler(length, data_seed, train.train_sampling_strategy == "random",
                                    self.strategy.rank, self.strategy.world_size)
         elif train.max_steps <= 0:
             raise ConfigError("train.max_steps: an IterableDataset has no length; set train.max_steps > 0")
         return torch.utils.data.DataLoader(
             dataset, batch_size=train.per_device_train_batch_size, sampler=sampler,
-            collate_fn=self.data_collator, num_workers=train.dataloader_num_workers,
-            drop_last=train.dataloader_drop_last, pin_memory=self.strategy.device.type == "cuda",
+            collate_fn=self.data_collator, drop_last=train.dataloader_drop_last, **self.loader_options(),
             # its own generator: starting an iterator must not draw from the global RNG, or a
             # resumed run (which starts one mid-epoch) would see different dropout masks
             generator=torch.Generator().manual_seed(train.seed),
         )
+
+    def loader_options(self) -> dict[str, Any]:
+        """The DataLoader arguments ``[train] dataloader_*`` set, for the train and evaluation loaders."""
+        train = self.config.train
+        options = {"num_workers": train.dataloader_num_workers,
+                   "pin_memory": train.dataloader_pin_memory and self.strategy.device.type == "cuda",
+                   "in_order": train.dataloader_in_order}
+        if train.dataloader_num_workers:
+            options.update(persistent_workers=train.dataloader_persistent_workers,
+                           prefetch_factor=train.dataloader_prefetch_factor,
+                           multiprocessing_context=train.dataloader_multiprocessing_context)
+        return options
 
     def _count_training_steps(self) -> int:
         train = self.config.train
@@ -358,6 +371,21 @@ def _call_model_init(model_init: Callable[..., Any]) -> torch.nn.Module:
     return model
 
 
+def _set_determinism(train: cfg.TrainConfig) -> None:
+    """``full_determinism`` and ``tf32``, process-wide as Trainer sets them."""
+    if train.full_determinism:
+        import os
+
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":16:8"  # deterministic cuBLAS needs it
+        os.environ["FLASH_ATTENTION_DETERMINISTIC"] = "1"
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+    if train.tf32 is not None:
+        torch.backends.cuda.matmul.allow_tf32 = train.tf32
+        torch.backends.cudnn.allow_tf32 = train.tf32
+
+
 def _resolve_defaults(train: cfg.TrainConfig) -> None:
     """Defaults that depend on other keys, as TrainingArguments resolves them."""
     if train.load_best_model_at_end and train.metric_for_best_model is None:
@@ -376,6 +404,8 @@ def _resolve_defaults(train: cfg.TrainConfig) -> None:
         setattr(train, old, None)
     if train.torch_compile_backend or train.torch_compile_mode:
         train.torch_compile = True
+    if isinstance(train.include_num_input_tokens_seen, bool):  # as TrainingArguments reads a bool
+        train.include_num_input_tokens_seen = "all" if train.include_num_input_tokens_seen else "no"
 
 
 def _check_values(train: cfg.TrainConfig) -> None:
@@ -394,3 +424,6 @@ def _check_values(train: cfg.TrainConfig) -> None:
                               f"multiple of eval_steps ({eval_steps})")
     if train.bf16 and train.fp16:
         raise ConfigError("train.bf16 and train.fp16 are both true; pick one")
+    for key in ("dataloader_persistent_workers", "dataloader_prefetch_factor"):
+        if getattr(train, key) not in (None, False) and train.dataloader_num_workers == 0:
+            raise ConfigError(f"train.{key} needs worker processes: set train.dataloader_num_workers > 0")

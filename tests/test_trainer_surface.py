@@ -118,3 +118,70 @@ def test_preprocess_logits_for_metrics_as_trainer(tmp_path):
     ours = run.evaluate()
     assert ours["eval_accuracy"] == theirs["eval_accuracy"]
     assert ours["eval_loss"] == pytest.approx(theirs["eval_loss"], abs=1e-5)
+
+
+def _first_tokens(model):
+    """Records the first token of each training row the model sees: the data order."""
+    seen = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: seen.extend(kwargs["input_ids"][:, 0].tolist())
+                                    if module.training else None, with_kwargs=True)
+    return seen
+
+
+def test_logging_evaluation_tokens_and_data_order_as_trainer(tmp_path):
+    shared = dict(max_steps=12, per_device_train_batch_size=8, per_device_eval_batch_size=8, learning_rate=1e-3,
+                  logging_strategy="epoch", eval_strategy="steps", eval_steps=2, eval_delay=4, eval_on_start=True,
+                  include_num_input_tokens_seen="non_padding", data_seed=5, save_strategy="no")
+    data, eval_data = tiny_dataset(ragged=True), tiny_dataset(8, seed=1)
+    model = tiny_model()
+    their_order = _first_tokens(model)
+    trainer = transformers.Trainer(
+        model=model, train_dataset=data, eval_dataset=eval_data, data_collator=DataCollator(0),
+        args=transformers.TrainingArguments(output_dir=str(tmp_path / "trainer"), use_cpu=True, report_to="none",
+                                            remove_unused_columns=False, disable_tqdm=True, seed=1, **shared))
+    trainer.train()
+    model = tiny_model()
+    our_order = _first_tokens(model)
+    run = Run({"train": {"output_dir": str(tmp_path / "engine"), "disable_tqdm": True, "seed": 2, **shared}},
+              model=model, train_dataset=data, eval_dataset=eval_data, data_collator=DataCollator(0))
+    run.train()
+
+    def steps_with(history, key):
+        return [entry["step"] for entry in history if key in entry]
+
+    theirs, ours = trainer.state.log_history, run.state.log_history
+    assert steps_with(theirs, "loss") == steps_with(ours, "loss") == [8, 12]  # each epoch's end
+    assert steps_with(theirs, "eval_loss") == steps_with(ours, "eval_loss") == [0, 4, 6, 8, 10, 12]
+    assert run.state.num_input_tokens_seen == trainer.state.num_input_tokens_seen < 12 * 8 * 16  # padding left out
+    assert [e["num_input_tokens_seen"] for e in theirs if "loss" in e] == [e["num_input_tokens_seen"] for e in ours
+                                                                          if "loss" in e]
+    assert our_order == their_order and len(our_order) == 12 * 8  # data_seed orders the data, not seed
+
+
+def test_logging_no_determinism_tf32_and_loader_options(tmp_path):
+    quiet = run_steps(4, output_dir=tmp_path / "quiet", train={"logging_strategy": "no"})
+    assert not [entry for entry in quiet.state.log_history if "loss" in entry]
+    assert quiet.state.num_input_tokens_seen == 4 * 4 * 16
+
+    options = dict(dataloader_num_workers=1, dataloader_persistent_workers=True, dataloader_prefetch_factor=3,
+                   dataloader_multiprocessing_context="spawn", dataloader_in_order=False)
+    run = Run({"train": {"output_dir": str(tmp_path / "engine"), "full_determinism": True, "tf32": False, **options}},
+              model=tiny_model(), train_dataset=tiny_dataset())
+    before = torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.matmul.allow_tf32
+    try:
+        run.setup()
+        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+        assert torch.backends.cuda.matmul.allow_tf32 is False
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        torch.backends.cuda.matmul.allow_tf32 = before[1]
+    trainer = transformers.Trainer(
+        model=tiny_model(), train_dataset=tiny_dataset(),
+        args=transformers.TrainingArguments(output_dir=str(tmp_path / "trainer"), use_cpu=True, report_to="none",
+                                            remove_unused_columns=False, **options))
+    theirs = trainer.get_train_dataloader()
+    for attribute in ("num_workers", "persistent_workers", "prefetch_factor", "in_order", "pin_memory"):
+        assert getattr(run.train_loader, attribute) == getattr(theirs, attribute), attribute
+    assert run.train_loader.multiprocessing_context.get_start_method() == "spawn"
+    with pytest.raises(ConfigError, match="train.dataloader_prefetch_factor needs worker processes"):
+        Run({"train": {"dataloader_prefetch_factor": 2}})
