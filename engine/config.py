@@ -125,6 +125,9 @@ class TrainConfig:
     save_steps: int = option(500, min=1, help="save every N steps when save_strategy = 'steps'")
     save_total_limit: int | None = option(None, min=1, help=(
         "keep at most this many checkpoints (oldest deleted first; the best one is always kept)"))
+    enable_jit_checkpoint: bool = option(False, help=(
+        "a SIGTERM saves a checkpoint at the end of the current step and stops the run (exit status 143), "
+        "resumable with resume_from_checkpoint = true"))
     save_final_model: bool = option(True, help=(
         "save the final model (HF layout) and tokenizer to output_dir when training ends"))
     resume_from_checkpoint: bool | str | None = option(None, help=(

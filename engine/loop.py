@@ -70,13 +70,15 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import signal
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import checkpoint, rundir
-from .errors import ConfigError, TrainingDiverged
+from .errors import ConfigError, TrainingDiverged, TrainingPreempted
 from .loss import IGNORE_INDEX, count_items, logits_of
 from .state import EpochSampler, PredictionOutput
 from .util import call_user
@@ -103,7 +105,7 @@ def train(run: Run) -> dict[str, float]:
     except TrainingDiverged:
         status = "diverged"
         raise
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, TrainingPreempted):
         status = "interrupted"
         raise
     finally:
@@ -166,6 +168,7 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
     skipped_in_a_row = 0
 
     lr = float(optimizer.param_groups[0]["lr"])
+    sigterm = _Sigterm() if train_cfg.enable_jit_checkpoint else None
     status = "failed"
     start_time = time.perf_counter()
     start_step = state.global_step
@@ -228,6 +231,11 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
                 if (save_every and step % save_every == 0) or control.should_save:
                     control.should_save = False
                     save_now()
+                if sigterm is not None and sigterm.received(strategy):
+                    save_now()
+                    raise TrainingPreempted(f"stopped by SIGTERM at step {step} (train.enable_jit_checkpoint): saved "
+                                            f"{run.output_dir / f'checkpoint-{step}'}; resume with "
+                                            "train.resume_from_checkpoint = true")
                 if control.should_stop or last:
                     break
             hook.on_epoch_end(run=run)
@@ -266,11 +274,38 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
         status = "success"
         return summary
     finally:
+        if sigterm is not None:
+            sigterm.restore()
         run.remove_patches()
         if main:
             run.isolated_hooks.call("log_finish", status=status)
             run.isolated_hooks.report()
         strategy.teardown()
+
+
+class _Sigterm:
+    """``train.enable_jit_checkpoint``: a SIGTERM asks for a checkpoint at the end of the current step.
+
+    With several processes, the flag is summed over them every step (one small all-reduce), so all
+    save the same step even when the signal reaches them at different moments.
+    """
+
+    def __init__(self):
+        self.flag = False
+        in_main_thread = threading.current_thread() is threading.main_thread()  # only it may set handlers
+        self.previous = signal.signal(signal.SIGTERM, self._handle) if in_main_thread else None
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.flag = True
+
+    def received(self, strategy: Any) -> bool:
+        if strategy.world_size == 1:
+            return self.flag
+        return bool(strategy.reduce(torch.tensor(float(self.flag), device=strategy.device), "sum") > 0)
+
+    def restore(self) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
 
 
 class _Interval:

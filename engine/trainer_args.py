@@ -551,7 +551,7 @@ FIELDS: dict[str, Answer] = _named({
     "save_on_each_node": builtin("a checkpoint is written once per run (its metadata by the main process), "
                                  "not once per node: put output_dir on storage every node sees"),
     "save_total_limit": accepted(),
-    "enable_jit_checkpoint": not_yet("a SIGTERM stops the run; it resumes from its last checkpoint"),
+    "enable_jit_checkpoint": accepted(),
     "push_to_hub": plugin("hub", convert=_push_to_hub, note="true enables the plugin"),
     "hub_token": plugin("hub", "token", convert=_secret,
                         note="never written to a run file: HF_TOKEN, or the cached login"),

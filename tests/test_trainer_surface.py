@@ -185,3 +185,70 @@ def test_logging_no_determinism_tf32_and_loader_options(tmp_path):
     assert run.train_loader.multiprocessing_context.get_start_method() == "spawn"
     with pytest.raises(ConfigError, match="train.dataloader_prefetch_factor needs worker processes"):
         Run({"train": {"dataloader_prefetch_factor": 2}})
+
+
+JIT_RUN = """
+[train]
+model = "tiny-llama"
+output_dir = "{out}"
+max_steps = 20
+per_device_train_batch_size = 4
+learning_rate = 1e-3
+logging_steps = 1
+save_strategy = "no"
+enable_jit_checkpoint = true
+disable_tqdm = true
+
+[data]
+train = "{corpus}"
+max_length = 32
+tokenizer = "train"
+tokenizer_vocab_size = 300
+"""
+
+
+def test_sigterm_with_enable_jit_checkpoint_saves_and_resumes_like_an_uninterrupted_run(tmp_path, capfd):
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from safetensors.torch import load_file
+
+    from engine.cli import main
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(f"record {i}: the quick brown fox {i % 7} jumps over {i % 13} dogs" for i in range(400)))
+    files = {}
+    for name in ("reference", "stopped"):
+        files[name] = tmp_path / f"{name}.toml"
+        files[name].write_text(JIT_RUN.format(out=tmp_path / name, corpus=corpus))
+    metrics = tmp_path / "stopped" / "metrics.jsonl"
+    with open(tmp_path / "stopped.log", "w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "engine", "train", str(files["stopped"])], stdout=log,
+                                   stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + 300
+        while process.poll() is None and time.monotonic() < deadline and (
+                not metrics.exists() or metrics.read_text().count('"loss"') < 3):
+            time.sleep(0.01)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=300) == 143
+    text = (tmp_path / "stopped.log").read_text()
+    assert "Traceback" not in text, text
+    checkpoints = sorted((tmp_path / "stopped").glob("checkpoint-*"))
+    assert len(checkpoints) == 1 and f"saved {checkpoints[0]}" in text, text
+    step = int(checkpoints[0].name.split("-")[1])
+    assert 3 <= step < 20
+    record = json.loads((tmp_path / "stopped" / "run.json").read_text())
+    assert record["status"] == "interrupted"
+    assert not (tmp_path / "stopped" / "model.safetensors").exists()  # no final model for a stopped run
+
+    assert main(["train", str(files["stopped"]), "--set", "train.resume_from_checkpoint=true"]) == 0
+    assert f"resumed from {checkpoints[0]} (step {step})" in capfd.readouterr().err
+    assert main(["train", str(files["reference"])]) == 0
+    expected, actual = (load_file(tmp_path / name / "model.safetensors") for name in ("reference", "stopped"))
+    assert expected.keys() == actual.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(actual[name], tensor), name
