@@ -295,13 +295,6 @@ def from_mapping(cls: type, data: dict[str, Any], path: str) -> Any:
     hints = typing.get_type_hints(cls)
     for key in data:
         if key not in fields:
-            if path == "train":
-                from .trainer_args import FIELDS, LEGACY
-
-                answer = FIELDS.get(key) or LEGACY.get(key)
-                if answer is not None:  # a TrainingArguments name: where it goes, not a near name
-                    raise ConfigError(f"{path}.{key}: not a [train] key; TrainingArguments.{key}: "
-                                      f"{answer.describe(key)}")
             close = difflib.get_close_matches(key, fields, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(fields)}"
             raise ConfigError(f"{path}.{key}: unknown key{hint}")

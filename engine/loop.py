@@ -21,6 +21,7 @@
         log_hyperparams(run, config)                              # main process
         on_train_start(run)
         on_train_mode(run)
+        eval_on_start: evaluate(run)                              # not a candidate for the best model
         for epoch:
             on_epoch_start(run)
             for window of gradient_accumulation_steps micro-batches:
@@ -29,13 +30,15 @@
                                                                   #   clip, optimizer.step
                 scheduler.step()
                 on_step_end(run)                                  # may set run.control flags
-                every logging_steps:  log_metrics(run, metrics, step)
+                every logging_steps:  log_metrics(run, metrics, step)   # logging_strategy "steps"
                 every eval_steps:     evaluate(run)               # see below; best metric noted;
-                                                                  #   then on_train_mode
+                                                                  #   then on_train_mode; from eval_delay on
                 every save_steps:     save(run)                   # see below, then on_train_mode
+                (run.control.should_log / should_evaluate / should_save: log / evaluate / save too)
+                SIGTERM with enable_jit_checkpoint: save(run), raise TrainingPreempted (exit 143)
                 if run.control.should_stop or step == max_steps: stop
             on_epoch_end(run)
-            eval_strategy / save_strategy "epoch": evaluate / save
+            logging_strategy / eval_strategy / save_strategy "epoch": log / evaluate / save
         on_eval_mode(run)
         load_best_model_at_end: load the best checkpoint's weights
         save_final_model: model (+ tokenizer) into output_dir, atomically

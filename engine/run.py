@@ -22,6 +22,7 @@ from .logs import quiet_known_noise, setup_logging
 from .plugins import PLUGINS_ENV, EnvironmentPlugins, IsolatedHooks, PluginManager
 from .rundir import env_rank
 from .state import Control, EpochSampler, PredictionOutput, TrainState
+from .trainer_args import check_train_keys
 
 logger = logging.getLogger("engine")
 
@@ -114,6 +115,7 @@ class Run:
         self.hook = self.plugin_manager.hook
         self.isolated_hooks = IsolatedHooks(self)  # the logging hooks and on_checkpoint_saved
         self.registries = self.plugin_manager.registries
+        check_train_keys(raw.get("train"))
         self.config = cfg.compose(raw, self.plugin_manager.option_schemas())
         _resolve_defaults(self.config.train)
         _check_values(self.config.train)

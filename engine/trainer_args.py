@@ -438,6 +438,18 @@ def _without_nulls(c: Conversion, table: dict[str, Any], path: str) -> bool:
 # ---------------------------------------------------------------------------- the table
 
 
+def check_train_keys(train: Any) -> None:
+    """A ``[train]`` key that is not one but is a ``TrainingArguments`` field is refused with this table's
+    answer (where it goes, or why not), never with a near name (``save_only_model`` is not ``save_final_model``)."""
+    from .config import TrainConfig
+
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    for key in train if isinstance(train, dict) else ():
+        answer = FIELDS.get(key) or LEGACY.get(key)
+        if key not in known and answer is not None:
+            raise ConfigError(f"train.{key}: not a [train] key; TrainingArguments.{key}: {answer.describe(key)}")
+
+
 def accepted(*keys: str, note: str = "", convert: Callable[..., None] | None = None) -> Answer:
     """A ``[train]`` key; without ``keys``, the field's own name (filled in by :func:`_named`)."""
     return Answer(ACCEPTED, tuple(f"train.{key}" for key in keys), note=note, convert=convert)

@@ -252,3 +252,14 @@ def test_sigterm_with_enable_jit_checkpoint_saves_and_resumes_like_an_uninterrup
     assert expected.keys() == actual.keys()
     for name, tensor in expected.items():
         assert torch.equal(actual[name], tensor), name
+
+
+def test_a_trainingarguments_name_that_is_no_train_key_gets_the_tables_answer():
+    with pytest.raises(ConfigError) as refused:
+        Run({"train": {"save_only_model": True}})
+    assert str(refused.value).startswith("train.save_only_model: not a [train] key; TrainingArguments.save_only_model: "
+                                         "no counterpart yet")
+    assert "did you mean" not in str(refused.value)
+    with pytest.raises(ConfigError, match="train.neftune_noise_alpha: not a \\[train\\] key; .*provided by plugin "
+                                          "neftune"):
+        Run({"train": {"neftune_noise_alpha": 5.0}})
