@@ -85,7 +85,8 @@ def data_order(run: Run) -> dict[str, int]:
     same run, so it is refused. The global batch counts, not its split over processes: the
     sampler gives N processes the same samples per step as one process with N times the batch."""
     train = run.config.train
-    return {"seed": train.seed, "global_batch_size": train.per_device_train_batch_size * run.strategy.world_size,
+    seed = train.data_seed if train.data_seed is not None else train.seed
+    return {"seed": seed, "global_batch_size": train.per_device_train_batch_size * run.strategy.world_size,
             "gradient_accumulation_steps": train.gradient_accumulation_steps}
 # config keys whose change on resume means the saved scheduler state is stale: a fresh
 # scheduler from the current config is advanced to the resumed step instead

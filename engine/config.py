@@ -127,12 +127,20 @@ class TrainConfig:
         "distributed strategy name; 'auto' takes the one an enabled plugin provides, else 'single'"))
     logging_steps: int = option(10, min=1, help="log metrics every N optimizer steps")
     logging_first_step: bool = option(False, help="also log after the first step")
+    logging_strategy: Literal["no", "steps", "epoch"] = option("steps", help=(
+        "when to log the training loss: every logging_steps steps (and the last), at each epoch's end, or never"))
     eval_strategy: Literal["no", "steps", "epoch"] = option("no", help="when to evaluate")
     eval_steps: int | None = option(None, min=1, help="evaluate every N steps (default: logging_steps)")
+    eval_delay: float = option(0.0, min=0, help=(
+        "no evaluation before this step (eval_strategy 'steps') or epoch (eval_strategy 'epoch')"))
+    eval_on_start: bool = option(False, help="evaluate once before the first step (a sanity check)")
     save_strategy: Literal["no", "steps", "epoch"] = option("steps", help="when to save a checkpoint")
     save_steps: int = option(500, min=1, help="save every N steps when save_strategy = 'steps'")
     save_total_limit: int | None = option(None, min=1, help=(
         "keep at most this many checkpoints (oldest deleted first; the best one is always kept)"))
+    enable_jit_checkpoint: bool = option(False, help=(
+        "a SIGTERM saves a checkpoint at the end of the current step and stops the run (exit status 143), "
+        "resumable with resume_from_checkpoint = true"))
     save_final_model: bool = option(True, help=(
         "save the final model (HF layout) and tokenizer to output_dir when training ends"))
     resume_from_checkpoint: bool | str | None = option(None, help=(
@@ -171,9 +179,27 @@ class TrainConfig:
         "replacing the model's generation config"))
     dataloader_num_workers: int = option(0, min=0, help="DataLoader worker processes")
     dataloader_drop_last: bool = option(False, help="drop the last incomplete batch")
+    dataloader_pin_memory: bool = option(True, help="page-locked batches when training on a GPU")
+    dataloader_persistent_workers: bool = option(False, help=(
+        "keep the DataLoader's workers between epochs (needs dataloader_num_workers > 0)"))
+    dataloader_prefetch_factor: int | None = option(None, min=1, help=(
+        "batches each worker loads ahead (needs dataloader_num_workers > 0; default: torch's 2)"))
+    dataloader_multiprocessing_context: Literal["fork", "spawn", "forkserver"] | None = option(None, help=(
+        "start method of the DataLoader's workers (default: the platform's)"))
+    dataloader_in_order: bool = option(True, help="workers' batches in sampler order (false: as they are ready)")
+    data_seed: int | None = option(None, min=0, max=2**32 - 1, help=(
+        "seed of the data order (default: seed): the same batches whatever the model's seed"))
+    include_num_input_tokens_seen: bool | Literal["no", "all", "non_padding"] = option("no", help=(
+        "log num_input_tokens_seen: every input token ('all' or true) or those the attention mask keeps "
+        "('non_padding')"))
+    full_determinism: bool = option(False, help=(
+        "torch's deterministic algorithms and cuDNN settings for the whole process (slower; as Trainer's)"))
+    tf32: bool | None = option(None, help="allow TF32 matmuls and convolutions on Ampere+ GPUs (default: torch's)")
     train_sampling_strategy: Literal["random", "sequential"] = option("random", help=(
         "order of the training examples: a seeded shuffle each epoch, or the dataset's order"))
     disable_tqdm: bool = option(False, help="no console progress bar")
+    restore_callback_states_from_checkpoint: bool = option(False, help=(
+        "on resume: TrainerCallbacks with state (ExportableState, e.g. EarlyStoppingCallback) get it back"))
     log_level: Literal["passive", "debug", "info", "warning", "error", "critical"] = option("passive", help=(
         "log level of the main process for the engine and transformers loggers ('passive': "
         "engine info, transformers' own default)"))

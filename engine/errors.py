@@ -44,3 +44,14 @@ class TrainingDiverged(EngineError):
     """
 
     exit_status = 3
+
+
+class TrainingPreempted(EngineError):
+    """A SIGTERM stopped the run with ``train.enable_jit_checkpoint``: the step it was in was saved.
+
+    What preemptible clusters send before they kill a job. The CLI exits with status 143 (a
+    SIGTERM's own status, so a scheduler sees the job as terminated and can requeue it); the run
+    continues from that checkpoint with ``resume_from_checkpoint = true``.
+    """
+
+    exit_status = 143

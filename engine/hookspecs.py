@@ -340,7 +340,7 @@ def on_step_end(run: Run) -> None:
 
     **When**: after every optimizer step and scheduler step, before logging, evaluation and
     saving for that step. **Combine**: broadcast. Set ``run.control.should_stop`` /
-    ``should_save`` / ``should_evaluate`` to act after this step.
+    ``should_save`` / ``should_evaluate`` / ``should_log`` to act after this step.
     """
 
 

@@ -21,6 +21,7 @@
         log_hyperparams(run, config)                              # main process
         on_train_start(run)
         on_train_mode(run)
+        eval_on_start: evaluate(run)                              # not a candidate for the best model
         for epoch:
             on_epoch_start(run)
             for window of gradient_accumulation_steps micro-batches:
@@ -29,13 +30,15 @@
                                                                   #   clip, optimizer.step
                 scheduler.step()
                 on_step_end(run)                                  # may set run.control flags
-                every logging_steps:  log_metrics(run, metrics, step)
+                every logging_steps:  log_metrics(run, metrics, step)   # logging_strategy "steps"
                 every eval_steps:     evaluate(run)               # see below; best metric noted;
-                                                                  #   then on_train_mode
+                                                                  #   then on_train_mode; from eval_delay on
                 every save_steps:     save(run)                   # see below, then on_train_mode
+                (run.control.should_log / should_evaluate / should_save: log / evaluate / save too)
+                SIGTERM with enable_jit_checkpoint: save(run), raise TrainingPreempted (exit 143)
                 if run.control.should_stop or step == max_steps: stop
             on_epoch_end(run)
-            eval_strategy / save_strategy "epoch": evaluate / save
+            logging_strategy / eval_strategy / save_strategy "epoch": log / evaluate / save
         on_eval_mode(run)
         load_best_model_at_end: load the best checkpoint's weights
         save_final_model: model (+ tokenizer) into output_dir, atomically
@@ -71,13 +74,15 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import signal
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import checkpoint, rundir
-from .errors import ConfigError, TrainingDiverged
+from .errors import ConfigError, TrainingDiverged, TrainingPreempted
 from .loss import IGNORE_INDEX, count_items, logits_of
 from .state import EpochSampler, PredictionOutput
 from .util import call_user
@@ -104,7 +109,7 @@ def train(run: Run) -> dict[str, float]:
     except TrainingDiverged:
         status = "diverged"
         raise
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, TrainingPreempted):
         status = "interrupted"
         raise
     finally:
@@ -141,8 +146,18 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
         hook.on_train_mode(run=run)
 
     eval_every = (train_cfg.eval_steps or train_cfg.logging_steps) if train_cfg.eval_strategy == "steps" else 0
+    eval_delay = train_cfg.eval_delay
     save_every = train_cfg.save_steps if train_cfg.save_strategy == "steps" else 0
-    log_every = train_cfg.logging_steps
+    log_every = train_cfg.logging_steps if train_cfg.logging_strategy == "steps" else 0
+    log_first = train_cfg.logging_first_step
+
+    def log_now() -> None:
+        control.should_log = False
+        metrics = logged.flush(lr)
+        if main:
+            run.isolated_hooks.call("log_metrics", metrics=metrics, step=state.global_step)
+        logged.stop_if_diverged()
+
     steps_per_epoch = state.steps_per_epoch  # 0 for an IterableDataset: an epoch ends when it does
     num_epochs = math.ceil(state.max_steps / steps_per_epoch) if steps_per_epoch else None
     sampler = run.train_loader.sampler if hasattr(run.train_loader.sampler, "set_epoch") else None
@@ -153,9 +168,11 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
     optimizer = run.optimizer
     shift = run.label_shift
     distributed = strategy.world_size > 1
+    non_padding = train_cfg.include_num_input_tokens_seen == "non_padding"  # a tensor sum: no host sync
     skipped_in_a_row = 0
 
     lr = float(optimizer.param_groups[0]["lr"])
+    sigterm = _Sigterm() if train_cfg.enable_jit_checkpoint else None
     status = "failed"
     start_time = time.perf_counter()
     start_step = state.global_step
@@ -164,6 +181,9 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
     try:
         hook.on_train_start(run=run)
         hook.on_train_mode(run=run)
+        if train_cfg.eval_on_start:  # as Trainer: reported, but not a candidate for the best model
+            evaluate(run)
+            hook.on_train_mode(run=run)
         first_epoch = state.global_step // steps_per_epoch if steps_per_epoch else 0
         for epoch in itertools.count(first_epoch) if num_epochs is None else range(first_epoch, num_epochs):
             if state.global_step >= state.max_steps:
@@ -188,7 +208,8 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
                     num_items = sum(count_items(batch["labels"], shift) for batch in window)
                     if distributed:
                         num_items = strategy.reduce(num_items, "sum")
-                logged.tokens += sum(b["input_ids"].numel() for b in window if "input_ids" in b)
+                logged.tokens += sum(b["attention_mask"].sum() if non_padding and "attention_mask" in b
+                                     else b["input_ids"].numel() for b in window if "input_ids" in b)
 
                 lr = float(optimizer.param_groups[0]["lr"])  # a tensor for some optimizers (torchao)
                 out = training_step(run=run, batches=window, num_items_in_batch=num_items)
@@ -206,21 +227,25 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
 
                 step = state.global_step
                 last = step >= state.max_steps
-                if step % log_every == 0 or (train_cfg.logging_first_step and step == 1) or last:
-                    metrics = logged.flush(lr)
-                    if main:
-                        run.isolated_hooks.call("log_metrics", metrics=metrics, step=step)
-                    logged.stop_if_diverged()
-                if (eval_every and step % eval_every == 0) or control.should_evaluate:
+                if (log_every and (step % log_every == 0 or last)) or (log_first and step == 1) or control.should_log:
+                    log_now()
+                if (eval_every and step % eval_every == 0 and step >= eval_delay) or control.should_evaluate:
                     control.should_evaluate = False
                     evaluate_now()
                 if (save_every and step % save_every == 0) or control.should_save:
                     control.should_save = False
                     save_now()
+                if sigterm is not None and sigterm.received(strategy):
+                    save_now()
+                    raise TrainingPreempted(f"stopped by SIGTERM at step {step} (train.enable_jit_checkpoint): saved "
+                                            f"{run.output_dir / f'checkpoint-{step}'}; resume with "
+                                            "train.resume_from_checkpoint = true")
                 if control.should_stop or last:
                     break
             hook.on_epoch_end(run=run)
-            if train_cfg.eval_strategy == "epoch" or control.should_evaluate:
+            if (train_cfg.logging_strategy == "epoch" or control.should_log) and logged.count:
+                log_now()
+            if (train_cfg.eval_strategy == "epoch" and state.epoch >= eval_delay) or control.should_evaluate:
                 control.should_evaluate = False
                 evaluate_now()
             if train_cfg.save_strategy == "epoch" or control.should_save:
@@ -231,11 +256,10 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
         if control.should_stop and state.global_step < state.max_steps:
             logger.info("stopped at step %d of %d: %s", state.global_step, state.max_steps,
                         control.stop_reason or "a plugin set run.control.should_stop")
-        if logged.count:  # steps since the last log, when a plugin stopped the run
-            metrics = logged.flush(lr)
-            if main:
-                run.isolated_hooks.call("log_metrics", metrics=metrics, step=state.global_step)
-            logged.stop_if_diverged()
+        if logged.count and train_cfg.logging_strategy == "steps":  # steps since the last log, when a plugin stopped the run
+            log_now()
+        logged.stop_if_diverged()
+        logged.count_tokens()  # those not logged (logging_strategy "no" or "epoch")
         runtime = time.perf_counter() - start_time
         steps = state.global_step - start_step
         summary = {
@@ -254,11 +278,38 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
         status = "success"
         return summary
     finally:
+        if sigterm is not None:
+            sigterm.restore()
         run.remove_patches()
         if main:
             run.isolated_hooks.call("log_finish", status=status)
             run.isolated_hooks.report()
         strategy.teardown()
+
+
+class _Sigterm:
+    """``train.enable_jit_checkpoint``: a SIGTERM asks for a checkpoint at the end of the current step.
+
+    With several processes, the flag is summed over them every step (one small all-reduce), so all
+    save the same step even when the signal reaches them at different moments.
+    """
+
+    def __init__(self):
+        self.flag = False
+        in_main_thread = threading.current_thread() is threading.main_thread()  # only it may set handlers
+        self.previous = signal.signal(signal.SIGTERM, self._handle) if in_main_thread else None
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.flag = True
+
+    def received(self, strategy: Any) -> bool:
+        if strategy.world_size == 1:
+            return self.flag
+        return bool(strategy.reduce(torch.tensor(float(self.flag), device=strategy.device), "sum") > 0)
+
+    def restore(self) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
 
 
 class _Interval:
@@ -278,6 +329,7 @@ class _Interval:
         self.state = run.state
         self.check_grad_norm = not run.strategy.scales_loss
         self.log_skipped = run.config.train.on_nonfinite == "skip"
+        self.log_tokens_seen = run.config.train.include_num_input_tokens_seen != "no"
         self.pending: list[tuple[int, torch.Tensor, Any]] = []
         self.divergence: tuple[str, int] | None = None
         self.count = 0  # steps since the last flush, skipped ones included
@@ -331,26 +383,36 @@ class _Interval:
         loss = self.loss / self.steps if self.steps else math.nan
         self.total_loss += self.loss
         self.total_steps += self.steps
-        if self.run.strategy.world_size > 1:  # every process's tokens (a sync here already: read())
-            self.tokens = int(self.run.strategy.reduce(torch.tensor(float(self.tokens)), "sum"))
-        self.state.num_input_tokens_seen += self.tokens
+        tokens = self.count_tokens()
         metrics = {"loss": round(loss, 6), "learning_rate": lr}
         if self.grad_norm is not None:
             metrics["grad_norm"] = round(self.grad_norm, 6)
         metrics.update({
-            "tokens_per_second": round(self.tokens / elapsed, 1) if elapsed else 0.0,
+            "tokens_per_second": round(tokens / elapsed, 1) if elapsed else 0.0,
             "step_time": round(elapsed / max(self.count, 1), 6),
             "epoch": round(self.state.epoch, 4),
         })
+        if self.log_tokens_seen:
+            metrics["num_input_tokens_seen"] = self.state.num_input_tokens_seen
         if self.log_skipped:
             metrics["skipped_steps"] = self.state.num_skipped_steps
         self.state.log_history.append({"step": self.state.global_step, **metrics})
-        self.loss, self.steps, self.count, self.tokens, self.started = 0.0, 0, 0, 0, now
+        self.loss, self.steps, self.count, self.started = 0.0, 0, 0, now
         return metrics
+
+    def count_tokens(self) -> int:
+        """Move this interval's input tokens (every process's) to ``state.num_input_tokens_seen``."""
+        tokens = self.tokens
+        if self.run.strategy.world_size > 1:  # a sync, where the loop syncs anyway
+            tokens = self.run.strategy.reduce(torch.as_tensor(tokens, dtype=torch.float64), "sum")
+        self.tokens = 0
+        self.state.num_input_tokens_seen += int(tokens)
+        return int(tokens)
 
     @property
     def mean_loss(self) -> float:
-        return round(self.total_loss / self.total_steps, 6) if self.total_steps else float("nan")
+        steps = self.total_steps + self.steps  # with the steps read but not logged (logging_strategy "no")
+        return round((self.total_loss + self.loss) / steps, 6) if steps else float("nan")
 
 
 def _host_values(values: tuple[Any, ...]) -> list[float | None]:
@@ -430,8 +492,7 @@ def _evaluate_one(run: Run, dataset: Any, prefix: str, want_predictions: bool) -
         # so up to world_size - 1 samples repeat at the end: their labels are masked below
         sampler = EpochSampler(length, 0, False, strategy.rank, strategy.world_size)
     loader = torch.utils.data.DataLoader(dataset, batch_size=train_cfg.per_device_eval_batch_size,
-                                         sampler=sampler, collate_fn=run.data_collator,
-                                         num_workers=train_cfg.dataloader_num_workers,
+                                         sampler=sampler, collate_fn=run.data_collator, **run.loader_options(),
                                          generator=torch.Generator().manual_seed(train_cfg.seed))
     compute_loss, on_prediction_step = run.hook.compute_loss, run.hook.on_prediction_step
     total = len(loader) if sampler is not None else None
@@ -478,8 +539,13 @@ def _evaluate_one(run: Run, dataset: Any, prefix: str, want_predictions: bool) -
                 weight_sum += float(weight)
                 samples += rows
                 if collect:
-                    predictions.append(outputs[-1].cpu() if generation is not None else
-                                       logits_of(outputs[-1]).detach().float().cpu())
+                    if generation is not None:
+                        predictions.append(outputs[-1].cpu())
+                    else:
+                        logits = logits_of(outputs[-1]).detach()
+                        if run.preprocess_logits_for_metrics is not None:  # e.g. argmax: keep less per batch
+                            logits = run.preprocess_logits_for_metrics(logits, batch.get("labels"))
+                        predictions.append(logits.cpu() if run.preprocess_logits_for_metrics else logits.float().cpu())
                     if "labels" in batch:
                         label_ids.append(batch["labels"].cpu())
                 on_prediction_step(run=run, step=index, total=total)

@@ -255,7 +255,7 @@ class IsolatedHooks:
                     logger.warning("plugin %r failed again in %s: %s", plugin, hook_name, describe_exception(exc))
                     continue
                 section = run.config.sections.get(plugin)
-                if getattr(section, "strict", False):
+                if getattr(section, "strict", False) or getattr(run.plugin_manager.pm.get_plugin(plugin), "strict", False):
                     self.fatal.add(plugin)
                     raise PluginError(f"plugin {plugin!r} ({plugin}.strict = true) failed in {hook_name} at step "
                                       f"{run.state.global_step}: {describe_exception(exc)}") from exc
@@ -420,6 +420,11 @@ class PluginManager:
         for name in reversed(order):  # pluggy calls the last registered first
             self._register(plugins[name], name)
         self._check_pending()
+        for name in self.objects:
+            if not self.pm.get_hookcallers(self.objects[name]):
+                raise PluginError(f"plugin {name!r}: a {type(self.objects[name]).__qualname__} object has no "
+                                  "@engine.hookimpl functions and is not a transformers TrainerCallback; pass "
+                                  "hook implementations (docs/writing-plugins.md) or TrainerCallbacks")
         self.hook = self.pm.hook
         self.registries = {kind: self._fill_registry(kind) for kind in REGISTRIES}
 

@@ -22,6 +22,7 @@ from .logs import quiet_known_noise, setup_logging
 from .plugins import PLUGINS_ENV, EnvironmentPlugins, IsolatedHooks, PluginManager
 from .rundir import env_rank
 from .state import Control, EpochSampler, PredictionOutput, TrainState
+from .trainer_args import check_train_keys
 
 logger = logging.getLogger("engine")
 
@@ -36,16 +37,16 @@ def set_seed(seed: int) -> None:
     numpy.random.seed(seed)
 
 
-def _plugin_objects(plugins: Any) -> dict[str, Any]:
+def _plugin_objects(plugins: Any) -> tuple[dict[str, Any], list[Any]]:
+    """The plugin objects by name, and the TrainerCallbacks among ``plugins`` (run by their adapter)."""
+    from .builtin.callbacks import is_callback
+
     if plugins is None:
-        return {}
-    if isinstance(plugins, dict):
-        return dict(plugins)
-    objects = {}
-    for plugin in plugins:
-        name = getattr(plugin, "name", None) or getattr(plugin, "__name__", None) or type(plugin).__name__
-        objects[name] = plugin
-    return objects
+        return {}, []
+    items = plugins.items() if isinstance(plugins, dict) else [
+        (getattr(p, "name", None) or getattr(p, "__name__", None) or type(p).__name__, p) for p in plugins]
+    objects = {name: plugin for name, plugin in items if not is_callback(plugin)}
+    return objects, [plugin for _, plugin in items if is_callback(plugin)]
 
 
 class Run:
@@ -58,6 +59,14 @@ class Run:
     replace what the config would build, as in ``transformers.Trainer``. ``plugins`` adds
     plugin objects (modules or instances with ``@hookimpl`` functions) without entry points:
     a list (named by their ``name`` / ``__name__``) or a {name: plugin} dict.
+
+    Trainer's other constructor arguments: ``processing_class`` (the tokenizer's newer name),
+    ``model_init`` (called for a fresh model when the run sets up), ``callbacks``
+    (``transformers.TrainerCallback`` instances or classes, also accepted in ``plugins``; run by
+    :mod:`engine.builtin.callbacks`), ``compute_loss_func(outputs, labels, num_items_in_batch)``
+    and ``preprocess_logits_for_metrics(logits, labels)``, ``optimizers=(optimizer, scheduler)``
+    and ``optimizer_cls_and_kwargs=(cls, kwargs)`` (instead of ``train.optim``; a scheduler of
+    None is built from ``[train]``).
     """
 
     def __init__(
@@ -73,6 +82,13 @@ class Run:
         plugins: Any = None,
         overrides: list[str] = (),
         plugin_edits: list[str] = (),
+        callbacks: list[Any] | None = None,
+        processing_class: Any = None,
+        model_init: Callable[..., torch.nn.Module] | None = None,
+        compute_loss_func: Callable[..., torch.Tensor] | None = None,
+        preprocess_logits_for_metrics: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        optimizers: tuple[Any, Any] | None = None,
+        optimizer_cls_and_kwargs: tuple[type, dict[str, Any]] | None = None,
     ):
         quiet_known_noise()  # before the plugins (and the libraries they import) load
         if isinstance(config, (str, Path)):
@@ -82,16 +98,24 @@ class Run:
         environment = EnvironmentPlugins.read()
         in_config = cfg.enabled_plugins(raw)
         raw, left_out = environment.exclude(cfg.apply_overrides(raw, overrides, [*environment.edits(), *plugin_edits]))
-        objects = _plugin_objects(plugins)
+        objects, given_callbacks = _plugin_objects(plugins)
         enabled = cfg.enabled_plugins(raw)
         raw["plugins"] = enabled + [name for name in objects if name not in enabled]
         origins = {name: "Run(plugins=...)" if name in objects else "the run config" if name in in_config
                    else PLUGINS_ENV if name in environment.added else "--plugins" for name in raw["plugins"]}
         self.plugin_manager = PluginManager(raw["plugins"], objects, origins=origins, excluded=environment.excluded,
                                             required=cfg.required_plugins(raw))
+        _register_trainer_arguments(self.plugin_manager, [*(callbacks or ()), *given_callbacks], compute_loss_func)
+        if optimizers is not None or optimizer_cls_and_kwargs is not None:
+            from .builtin.optimizers import GIVEN, GivenOptimizer
+
+            optim_named = "optim" in (raw.get("train") or {})
+            self.plugin_manager.pm.register(GivenOptimizer(optimizers, optimizer_cls_and_kwargs, optim_named),
+                                            name=GIVEN)
         self.hook = self.plugin_manager.hook
         self.isolated_hooks = IsolatedHooks(self)  # the logging hooks and on_checkpoint_saved
         self.registries = self.plugin_manager.registries
+        check_train_keys(raw.get("train"))
         self.config = cfg.compose(raw, self.plugin_manager.option_schemas())
         _resolve_defaults(self.config.train)
         _check_values(self.config.train)
@@ -102,9 +126,16 @@ class Run:
 
         self.state = TrainState()
         self.control = Control()
+        if model is not None and model_init is not None:
+            raise ConfigError("Run: pass model or model_init, not both")
+        if tokenizer is not None and processing_class is not None and tokenizer is not processing_class:
+            raise ConfigError("Run: tokenizer and processing_class are the same argument (processing_class is "
+                              "Trainer's newer name); pass one")
         self.model = model  # the module as built and patched (saved, inspected)
+        self.model_init = model_init
+        self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.wrapped_model: torch.nn.Module | None = None  # what the strategy returned (forward)
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer if tokenizer is not None else processing_class
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
         self.data_collator = data_collator
@@ -165,6 +196,9 @@ class Run:
         train, data = self.config.train, self.config.data
         self.setup_strategy()
         set_seed(train.seed)
+        _set_determinism(train)
+        if self.model is None and self.model_init is not None:
+            self.model = _call_model_init(self.model_init)
         task = self.task
         tasks.configure(train, task)
         if self.model is None:
@@ -283,18 +317,30 @@ class Run:
                 raise ConfigError(f"train.per_device_train_batch_size: {train.per_device_train_batch_size} per device "
                                   f"x {self.strategy.world_size} process(es) is more than the {length} train examples; "
                                   "lower it, or give more data")
-            sampler = EpochSampler(length, train.seed, train.train_sampling_strategy == "random",
+            data_seed = train.data_seed if train.data_seed is not None else train.seed
+            sampler = EpochSampler(length, data_seed, train.train_sampling_strategy == "random",
                                    self.strategy.rank, self.strategy.world_size)
         elif train.max_steps <= 0:
             raise ConfigError("train.max_steps: an IterableDataset has no length; set train.max_steps > 0")
         return torch.utils.data.DataLoader(
             dataset, batch_size=train.per_device_train_batch_size, sampler=sampler,
-            collate_fn=self.data_collator, num_workers=train.dataloader_num_workers,
-            drop_last=train.dataloader_drop_last, pin_memory=self.strategy.device.type == "cuda",
+            collate_fn=self.data_collator, drop_last=train.dataloader_drop_last, **self.loader_options(),
             # its own generator: starting an iterator must not draw from the global RNG, or a
             # resumed run (which starts one mid-epoch) would see different dropout masks
             generator=torch.Generator().manual_seed(train.seed),
         )
+
+    def loader_options(self) -> dict[str, Any]:
+        """The DataLoader arguments ``[train] dataloader_*`` set, for the train and evaluation loaders."""
+        train = self.config.train
+        options = {"num_workers": train.dataloader_num_workers,
+                   "pin_memory": train.dataloader_pin_memory and self.strategy.device.type == "cuda",
+                   "in_order": train.dataloader_in_order}
+        if train.dataloader_num_workers:
+            options.update(persistent_workers=train.dataloader_persistent_workers,
+                           prefetch_factor=train.dataloader_prefetch_factor,
+                           multiprocessing_context=train.dataloader_multiprocessing_context)
+        return options
 
     def _count_training_steps(self) -> int:
         train = self.config.train
@@ -355,6 +401,47 @@ class Run:
         return render_plan(self)
 
 
+def _register_trainer_arguments(plugin_manager: PluginManager, callbacks: list[Any], compute_loss_func: Any) -> None:
+    """The builtins that only some runs need, registered only then (no cost per step otherwise)."""
+    if callbacks:
+        from .builtin.callbacks import PLUGIN, TrainerCallbacks
+
+        plugin_manager.pm.register(TrainerCallbacks(callbacks), name=PLUGIN)
+    if compute_loss_func is not None:
+        from .builtin.loss import PLUGIN_LOSS_FUNC, ComputeLossFunc
+
+        plugin_manager.pm.register(ComputeLossFunc(compute_loss_func), name=PLUGIN_LOSS_FUNC)
+
+
+def _call_model_init(model_init: Callable[..., Any]) -> torch.nn.Module:
+    """``model_init()`` (or ``model_init(None)`` for one that takes a trial, as Trainer calls it)."""
+    import inspect
+
+    from .util import call_user
+
+    name = getattr(model_init, "__qualname__", type(model_init).__name__)
+    takes_trial = len(inspect.signature(model_init).parameters) == 1
+    model = call_user("model_init", name, model_init, *([None] if takes_trial else []))
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"model_init: {name} returned {type(model).__name__}, expected a torch.nn.Module")
+    return model
+
+
+def _set_determinism(train: cfg.TrainConfig) -> None:
+    """``full_determinism`` and ``tf32``, process-wide as Trainer sets them."""
+    if train.full_determinism:
+        import os
+
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":16:8"  # deterministic cuBLAS needs it
+        os.environ["FLASH_ATTENTION_DETERMINISTIC"] = "1"
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+    if train.tf32 is not None:
+        torch.backends.cuda.matmul.allow_tf32 = train.tf32
+        torch.backends.cudnn.allow_tf32 = train.tf32
+
+
 def _resolve_defaults(train: cfg.TrainConfig) -> None:
     """Defaults that depend on other keys, as TrainingArguments resolves them."""
     if train.load_best_model_at_end and train.metric_for_best_model is None:
@@ -373,6 +460,8 @@ def _resolve_defaults(train: cfg.TrainConfig) -> None:
         setattr(train, old, None)
     if train.torch_compile_backend or train.torch_compile_mode:
         train.torch_compile = True
+    if isinstance(train.include_num_input_tokens_seen, bool):  # as TrainingArguments reads a bool
+        train.include_num_input_tokens_seen = "all" if train.include_num_input_tokens_seen else "no"
 
 
 def _check_values(train: cfg.TrainConfig) -> None:
@@ -391,3 +480,6 @@ def _check_values(train: cfg.TrainConfig) -> None:
                               f"multiple of eval_steps ({eval_steps})")
     if train.bf16 and train.fp16:
         raise ConfigError("train.bf16 and train.fp16 are both true; pick one")
+    for key in ("dataloader_persistent_workers", "dataloader_prefetch_factor"):
+        if getattr(train, key) not in (None, False) and train.dataloader_num_workers == 0:
+            raise ConfigError(f"train.{key} needs worker processes: set train.dataloader_num_workers > 0")

@@ -44,6 +44,7 @@ class Control:
     should_stop: bool = False
     should_save: bool = False
     should_evaluate: bool = False
+    should_log: bool = False
     stop_reason: str | None = None
 
     def request_stop(self, reason: str) -> None:

@@ -439,6 +439,18 @@ def _without_nulls(c: Conversion, table: dict[str, Any], path: str) -> bool:
 # ---------------------------------------------------------------------------- the table
 
 
+def check_train_keys(train: Any) -> None:
+    """A ``[train]`` key that is not one but is a ``TrainingArguments`` field is refused with this table's
+    answer (where it goes, or why not), never with a near name (``save_only_model`` is not ``save_final_model``)."""
+    from .config import TrainConfig
+
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    for key in train if isinstance(train, dict) else ():
+        answer = FIELDS.get(key) or LEGACY.get(key)
+        if key not in known and answer is not None:
+            raise ConfigError(f"train.{key}: not a [train] key; TrainingArguments.{key}: {answer.describe(key)}")
+
+
 def accepted(*keys: str, note: str = "", convert: Callable[..., None] | None = None) -> Answer:
     """A ``[train]`` key; without ``keys``, the field's own name (filled in by :func:`_named`)."""
     return Answer(ACCEPTED, tuple(f"train.{key}" for key in keys), note=note, convert=convert)
@@ -501,7 +513,7 @@ FIELDS: dict[str, Answer] = _named({
     "fp16": accepted(),
     "bf16_full_eval": not_yet("evaluation runs under the training autocast (train.bf16 / fp16)"),
     "fp16_full_eval": not_yet("evaluation runs under the training autocast (train.bf16 / fp16)"),
-    "tf32": not_yet("torch's default TF32 setting applies"),
+    "tf32": accepted(),
     "activation_checkpointing": accepted(),
     "activation_checkpointing_kwargs": accepted(),
     "gradient_checkpointing": accepted("activation_checkpointing"),
@@ -517,13 +529,13 @@ FIELDS: dict[str, Answer] = _named({
                                   note="a value enables the plugin"),
     "torch_empty_cache_steps": not_yet("the engine never empties the allocator's cache"),
     "auto_find_batch_size": not_yet("set per_device_train_batch_size to one that fits"),
-    "logging_strategy": not_yet("the engine logs every train.logging_steps steps (Trainer's 'steps')"),
+    "logging_strategy": accepted(),
     "logging_steps": accepted(convert=_steps_or_ratio, note=_STEP_NOTE),
     "logging_first_step": accepted(),
     "log_on_each_node": accepted(),
     "logging_nan_inf_filter": refused("the engine does not average non-finite losses away: a nan/inf loss stops "
                                       "the run (exit status 3), or train.on_nonfinite = 'skip' skips the step"),
-    "include_num_input_tokens_seen": not_yet("no token count is logged"),
+    "include_num_input_tokens_seen": accepted(),
     "log_level": accepted(),
     "log_level_replica": accepted(),
     "disable_tqdm": accepted(),
@@ -537,10 +549,10 @@ FIELDS: dict[str, Answer] = _named({
     "trackio_static_space_id": not_yet("the trackio plugin has no static Space option"),
     "eval_strategy": accepted(),
     "eval_steps": accepted(convert=_steps_or_ratio, note=_STEP_NOTE),
-    "eval_delay": not_yet("evaluation starts at the first eval_steps / epoch"),
+    "eval_delay": accepted(),
     "per_device_eval_batch_size": accepted(),
     "prediction_loss_only": accepted(),
-    "eval_on_start": not_yet("run `engine evaluate` before training"),
+    "eval_on_start": accepted(),
     "eval_do_concat_batches": builtin("evaluation concatenates the batches' predictions and labels"),
     "eval_use_gather_object": builtin("evaluation gathers every process's predictions with gather_object, in order"),
     "eval_accumulation_steps": not_yet("predictions move to the CPU batch by batch"),
@@ -552,7 +564,7 @@ FIELDS: dict[str, Answer] = _named({
     "save_on_each_node": builtin("a checkpoint is written once per run (its metadata by the main process), "
                                  "not once per node: put output_dir on storage every node sees"),
     "save_total_limit": accepted(),
-    "enable_jit_checkpoint": not_yet("a SIGTERM stops the run; it resumes from its last checkpoint"),
+    "enable_jit_checkpoint": accepted(),
     "push_to_hub": plugin("hub", convert=_push_to_hub, note="true enables the plugin"),
     "hub_token": plugin("hub", "token", convert=_secret,
                         note="never written to a run file: HF_TOKEN, or the cached login"),
@@ -565,10 +577,10 @@ FIELDS: dict[str, Answer] = _named({
     "metric_for_best_model": accepted(),
     "greater_is_better": accepted(),
     "ignore_data_skip": not_yet("a resumed run always continues the data where it stopped"),
-    "restore_callback_states_from_checkpoint": not_yet("plugins restore their own state (checkpoint_state)"),
-    "full_determinism": not_yet("seeded, but torch's deterministic algorithms are not switched on"),
+    "restore_callback_states_from_checkpoint": accepted(),
+    "full_determinism": accepted(),
     "seed": accepted(),
-    "data_seed": not_yet("train.seed also seeds the data order"),
+    "data_seed": accepted(),
     "use_cpu": accepted(),
     "accelerator_config": refused("the engine does not train through Accelerate's Accelerator (split_batches, "
                                   "dispatch_batches, even_batches ...); its samplers are seeded and resume exactly"),
@@ -576,11 +588,11 @@ FIELDS: dict[str, Answer] = _named({
                                   "plugins are ddp, fsdp and deepspeed"),
     "dataloader_drop_last": accepted(),
     "dataloader_num_workers": accepted(),
-    "dataloader_pin_memory": not_yet("batches are pinned when training on a GPU"),
-    "dataloader_persistent_workers": not_yet("workers are started for each epoch"),
-    "dataloader_prefetch_factor": not_yet("torch's default prefetching"),
-    "dataloader_multiprocessing_context": not_yet("torch's default start method"),
-    "dataloader_in_order": not_yet("batches come in order"),
+    "dataloader_pin_memory": accepted(),
+    "dataloader_persistent_workers": accepted(),
+    "dataloader_prefetch_factor": accepted(),
+    "dataloader_multiprocessing_context": accepted(),
+    "dataloader_in_order": accepted(),
     "remove_unused_columns": not_yet("the engine's data pipeline builds the model's inputs itself"),
     "label_names": not_yet("the batch's 'labels' are the labels"),
     "train_sampling_strategy": accepted(note="'random' or 'sequential'; group_by_length and batch_rebalance have "

@@ -149,7 +149,7 @@ def test_defaults_write_only_where_the_engines_default_differs(tmp_path):
     assert 'train.optim = "adamw_torch_fused" (engine default: "adamw_torch")' in report
     assert "not converted" not in report  # nothing set away from Trainer's default
     idle = report.split("no counterpart, at Trainer's default (docs/trainer-arguments.md): ", 1)[1].splitlines()[0]
-    assert {"eval_on_start", "do_train", "local_rank", "tf32"} <= set(idle.split(", "))
+    assert {"use_cache", "do_train", "local_rank", "torch_empty_cache_steps"} <= set(idle.split(", "))
     text = (tmp_path / "defaults.toml").read_text()
     assert '# model = "path/to/model"' in text and '# train = "data/train.jsonl"' in text
 
@@ -165,7 +165,8 @@ def test_lora_style_finetune_with_galore(tmp_path):
         lr_scheduler_type="cosine", warmup_steps=0.1, per_device_train_batch_size=4, gradient_accumulation_steps=4,
         max_steps=200, logging_steps=0.05, eval_strategy="steps", eval_steps=50, save_strategy="steps",
         save_steps=100, save_total_limit=2, load_best_model_at_end=True, seed=7, bf16=False,
-        gradient_checkpointing=True, report_to="none", eval_on_start=True, do_train=True)
+        gradient_checkpointing=True, report_to="none", eval_on_start=True, use_cache=True,
+        do_train=True)
     run, report = convert(tmp_path, "galore", arguments)
     assert run["plugins"] == ["galore"]
     assert run["train"] == {
@@ -174,13 +175,14 @@ def test_lora_style_finetune_with_galore(tmp_path):
         "optim_args": "rank=64,update_proj_gap=100,scale=0.25", "optim_target_modules": ["self_attn", "mlp"],
         "lr_scheduler_type": "cosine", "warmup_ratio": 0.1, "activation_checkpointing": True,
         "logging_steps": 10, "eval_strategy": "steps", "eval_steps": 50, "save_steps": 100, "save_total_limit": 2,
-        "load_best_model_at_end": True, "metric_for_best_model": "loss", "greater_is_better": False}
+        "load_best_model_at_end": True, "metric_for_best_model": "loss", "greater_is_better": False,
+        "eval_on_start": True}
     assert "optim -> plugins += ['galore']" in report
     assert "logging_steps -> train.logging_steps = 10 (0.05 x max_steps 200, rounded up as Trainer does)" in report
     assert "warmup_steps -> train.warmup_ratio = 0.1" in report
-    assert "eval_on_start = true: no counterpart yet: run `engine evaluate` before training" in report
+    assert "use_cache = true: no counterpart yet: the model's config keeps its own use_cache" in report
     assert "do_train = true: refused: a flag for training scripts" in report
-    assert "#   eval_on_start = true: no counterpart yet" in (tmp_path / "galore.toml").read_text()
+    assert "#   use_cache = true: no counterpart yet" in (tmp_path / "galore.toml").read_text()
 
     stdout, config = plan(tmp_path, "galore")
     assert "optimizer  selected 'galore_adamw' from galore" in stdout

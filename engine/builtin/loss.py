@@ -54,3 +54,28 @@ def compute_loss(run, model, batch, num_items_in_batch):
         ignore_index=IGNORE_INDEX, label_smoothing=smoothing, reduction="sum")
     denominator = num_items_in_batch if num_items_in_batch is not None else labels.ne(IGNORE_INDEX).sum()
     return loss / denominator
+
+
+PLUGIN_LOSS_FUNC = "builtin.compute_loss_func"
+
+
+class ComputeLossFunc:
+    """``Run(compute_loss_func=...)``: Trainer's ``compute_loss_func(outputs, labels, num_items_in_batch)``.
+
+    Called as Trainer calls it: the labels are taken out of the batch, the model runs on the rest,
+    and the function gets its outputs, the labels and the label count of the window (of this batch
+    when the engine passes none). Registered only when given; it answers ``compute_loss`` first.
+    """
+
+    def __init__(self, function):
+        self.function = function
+
+    @hookimpl
+    def compute_loss(self, run, model, batch, num_items_in_batch):
+        if "labels" not in batch:
+            return None  # as Trainer: the model's own loss
+        inputs = dict(batch)
+        labels = inputs.pop("labels")
+        if num_items_in_batch is None:
+            num_items_in_batch = count_items(labels, run.label_shift)
+        return self.function(model(**inputs), labels, num_items_in_batch=num_items_in_batch)

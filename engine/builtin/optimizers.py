@@ -76,3 +76,63 @@ def configure(run):
 def create_optimizer(run):
     entry = run.registries["optimizer"].get(run.config.train.optim)
     return entry.factory(run, param_groups(run.model, run.config.train.weight_decay))
+
+
+GIVEN = "builtin.given_optimizer"
+
+
+class GivenOptimizer:
+    """``Run(optimizers=(optimizer, scheduler))`` or ``Run(optimizer_cls_and_kwargs=(cls, kwargs))``, as Trainer
+    takes them: used instead of ``train.optim`` (a scheduler of None: ``train.lr_scheduler_type`` builds one).
+
+    Checkpointed like the others; the optimizer's class is recorded, and a resume with another class is
+    refused. A run file that names ``train.optim`` too must name this optimizer's class.
+    """
+
+    def __init__(self, optimizers: tuple[Any, Any] | None, cls_and_kwargs: tuple[type, dict[str, Any]] | None,
+                 optim_named: bool):
+        if optimizers is not None and cls_and_kwargs is not None:
+            raise ConfigError("Run: optimizers and optimizer_cls_and_kwargs both give the optimizer; pass one")
+        if optimizers is not None and (not isinstance(optimizers, (tuple, list)) or len(optimizers) != 2):
+            raise ConfigError(f"Run: optimizers: expected (optimizer, scheduler), got {type(optimizers).__name__}")
+        self.optimizer, self.scheduler = optimizers if optimizers is not None else (None, None)
+        self.cls_and_kwargs = cls_and_kwargs
+        self.optim_named = optim_named
+
+    @property
+    def optimizer_class(self) -> type:
+        return type(self.optimizer) if self.optimizer is not None else self.cls_and_kwargs[0]
+
+    @hookimpl
+    def create_optimizer(self, run):
+        train = run.config.train
+        if self.optimizer is not None:
+            optimizer = self.optimizer
+        else:
+            cls, kwargs = self.cls_and_kwargs
+            optimizer = cls(param_groups(run.model, train.weight_decay), **kwargs)
+        if self.optim_named:  # what train.optim builds (constructed only: states are made at the first step)
+            named = run.registries["optimizer"].get(train.optim).factory(run, param_groups(run.model, 0.0))
+            if type(named) is not type(optimizer):
+                raise ConfigError(f"train.optim = {train.optim!r} makes a {type(named).__qualname__}, but Run() was "
+                                  f"given a {type(optimizer).__qualname__}; remove train.optim or pass that optimizer")
+        return optimizer
+
+    @hookimpl
+    def create_scheduler(self, run, optimizer):
+        return self.scheduler
+
+    @hookimpl
+    def checkpoint_state(self, run):
+        return {"optimizer_class": _qualified(self.optimizer_class)}
+
+    @hookimpl
+    def load_checkpoint_state(self, run, state):
+        saved = state.get("optimizer_class")
+        if saved is not None and saved != _qualified(self.optimizer_class):
+            raise ConfigError(f"the checkpoint was trained with a {saved} optimizer; this run is given a "
+                              f"{_qualified(self.optimizer_class)}: pass the same optimizer class to resume")
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"

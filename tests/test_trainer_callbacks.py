@@ -1,0 +1,97 @@
+"""TrainerCallbacks run unchanged: the same events, stops and saves as under transformers.Trainer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers import EarlyStoppingCallback, TrainerCallback
+
+from engine import Run
+from engine.data import DataCollator
+from engine.errors import PluginError
+from engine.testing import tiny_dataset, tiny_model
+
+EVENTS = ("on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_step_begin",
+          "on_step_end", "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step", "on_log", "on_evaluate",
+          "on_save", "on_prediction_step")
+
+
+class Recorder(TrainerCallback):
+    """Records (event, global_step) for every event."""
+
+    def __init__(self):
+        self.events = []
+        for event in EVENTS:
+            setattr(self, event, self._recorder(event))
+
+    def _recorder(self, event):
+        def record(args, state, control, **kwargs):
+            self.events.append((event, state.global_step))
+        return record
+
+
+class StopAt7(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 7:
+            control.should_training_stop = True
+
+
+class SaveAt5(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 5:
+            control.should_save = True
+
+
+SHARED = dict(max_steps=10, per_device_train_batch_size=4, per_device_eval_batch_size=4, gradient_accumulation_steps=2,
+              learning_rate=1e-3, logging_steps=1, eval_strategy="steps", eval_steps=3, save_strategy="no")
+
+
+def trainer_run(output_dir, callbacks, **args):
+    trainer = transformers.Trainer(
+        model=tiny_model(), train_dataset=tiny_dataset(), eval_dataset=tiny_dataset(8, seed=1),
+        data_collator=DataCollator(0), callbacks=callbacks,
+        args=transformers.TrainingArguments(output_dir=str(output_dir), use_cpu=True, report_to="none",
+                                            remove_unused_columns=False, disable_tqdm=True, **args))
+    trainer.train()
+    return trainer
+
+
+def engine_run(output_dir, plugins=(), **train):
+    run = Run({"train": {"output_dir": str(output_dir), "disable_tqdm": True, "save_final_model": False, **train}},
+              model=tiny_model(), train_dataset=tiny_dataset(), eval_dataset=tiny_dataset(8, seed=1),
+              data_collator=DataCollator(0), plugins=list(plugins))
+    run.train()
+    return run
+
+
+def test_events_stop_and_save_are_trainers(tmp_path):
+    theirs = Recorder()
+    trainer = trainer_run(tmp_path / "trainer", [theirs, StopAt7(), SaveAt5], **SHARED)
+    ours = Recorder()
+    run = engine_run(tmp_path / "engine", [ours, StopAt7(), SaveAt5], **SHARED)  # a class, as Trainer takes
+
+    assert trainer.state.global_step == run.state.global_step == 7
+    assert sorted(p.name for p in (tmp_path / "trainer").glob("checkpoint-*")) == ["checkpoint-5"]
+    assert sorted(p.name for p in (tmp_path / "engine").glob("checkpoint-*")) == ["checkpoint-5"]
+    names = {name for name, _ in theirs.events}
+    assert names == set(EVENTS)  # every event fired under Trainer, so the comparison covers them all
+    assert ours.events == theirs.events
+
+
+def test_early_stopping_callback_stops_at_trainers_evaluation(tmp_path):
+    args = dict(SHARED, gradient_accumulation_steps=1, max_steps=20, eval_steps=2, save_strategy="steps", save_steps=2,
+                load_best_model_at_end=True, metric_for_best_model="loss")
+    # a threshold no change reaches: evaluations 2 and 3 do not improve on the first; patience 2 stops at the 3rd
+    trainer = trainer_run(tmp_path / "trainer", [EarlyStoppingCallback(2, 10.0)], **args)
+    run = engine_run(tmp_path / "engine", [EarlyStoppingCallback(2, 10.0)], **args)
+    evaluations = [[entry["step"] for entry in history if "eval_loss" in entry]
+                   for history in (trainer.state.log_history, run.state.log_history)]
+    assert evaluations[0] == evaluations[1] == [2, 4, 6]
+    assert trainer.state.global_step == run.state.global_step == 6
+
+
+def test_a_plugin_object_without_hooks_is_refused():
+    with pytest.raises(PluginError, match="a Linear object has no @engine.hookimpl functions and is not a "
+                                          "transformers TrainerCallback"):
+        Run({"train": {"max_steps": 1}}, plugins=[torch.nn.Linear(1, 1)])

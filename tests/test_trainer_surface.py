@@ -1,0 +1,265 @@
+"""Trainer's constructor arguments on Run, and the TrainingArguments names the engine implements."""
+
+from __future__ import annotations
+
+import numpy
+import pytest
+import torch
+import transformers
+
+from engine import Run
+from engine.data import DataCollator
+from engine.errors import ConfigError
+from engine.testing import assert_same_state, run_steps, same_weights, tiny_dataset, tiny_model
+
+
+def _sgd(model):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+
+
+def test_given_optimizers_resume_bit_exact_and_another_class_is_refused(tmp_path):
+    train = {"save_strategy": "steps", "save_steps": 3}
+    model = tiny_model(seed=0)
+    straight = run_steps(6, model=model, optimizers=_sgd(model), output_dir=tmp_path / "straight", train=train)
+    assert isinstance(straight.optimizer, torch.optim.SGD)
+    assert straight.state.log_history[1]["learning_rate"] == pytest.approx(0.05 / 2)  # the given scheduler ran
+    checkpoint = tmp_path / "straight" / "checkpoint-3"
+    model = tiny_model(seed=1)
+    resumed = run_steps(6, model=model, optimizers=_sgd(model), output_dir=tmp_path / "resumed",
+                        train={**train, "resume_from_checkpoint": str(checkpoint)})
+    assert same_weights(resumed.model, straight.model) == []
+    assert_same_state(resumed.optimizer.state_dict(), straight.optimizer.state_dict())
+
+    class OtherSGD(torch.optim.SGD):  # its state would load: the recorded class refuses it
+        pass
+
+    model = tiny_model(seed=1)
+    other = OtherSGD(model.parameters(), lr=0.05, momentum=0.9)
+    with pytest.raises(ConfigError, match="trained with a torch.optim.sgd.SGD optimizer; this run is given a "
+                                          ".*OtherSGD: pass the same optimizer class"):
+        run_steps(6, model=model, optimizers=(other, None), output_dir=tmp_path / "other",
+                  train={**train, "resume_from_checkpoint": str(checkpoint)})
+    with pytest.raises(ConfigError, match="train.optim = 'adamw_torch' makes a AdamW, but Run\\(\\) was given a SGD"):
+        run_steps(1, model=model, optimizers=_sgd(model), train={"optim": "adamw_torch"})
+
+
+def test_optimizer_cls_and_kwargs_builds_trainers_optimizer(tmp_path):
+    cls_and_kwargs = (torch.optim.Adagrad, {"lr": 0.02, "lr_decay": 0.1})
+    run = Run({"train": {"weight_decay": 0.1, "max_steps": 1, "output_dir": str(tmp_path / "engine")}},
+              model=tiny_model(), train_dataset=tiny_dataset(), optimizer_cls_and_kwargs=cls_and_kwargs)
+    run.setup()
+    trainer = transformers.Trainer(
+        model=tiny_model(), optimizer_cls_and_kwargs=cls_and_kwargs,
+        args=transformers.TrainingArguments(output_dir=str(tmp_path / "trainer"), weight_decay=0.1, use_cpu=True,
+                                            report_to="none"))
+    theirs = trainer.create_optimizer()
+    assert type(run.optimizer) is type(theirs)
+    groups = [[{k: v for k, v in group.items() if k not in ("params", "initial_lr")} | {"size": len(group["params"])}
+               for group in optimizer.param_groups] for optimizer in (run.optimizer, theirs)]
+    assert groups[0] == groups[1]
+
+
+def test_model_init_processing_class_and_compute_loss_func(tmp_path):
+    by_model = run_steps(3, model=tiny_model(), output_dir=tmp_path / "model")
+    calls = []
+
+    def model_init():
+        calls.append(1)
+        return tiny_model()
+
+    run = Run({"train": {"max_steps": 3, "per_device_train_batch_size": 4, "learning_rate": 1e-2,
+                         "logging_steps": 1, "save_strategy": "no", "disable_tqdm": True,
+                         "output_dir": str(tmp_path / "init")}},
+              model_init=model_init, train_dataset=tiny_dataset(), data_collator=DataCollator(0))
+    run.train()
+    assert calls == [1]
+    assert same_weights(run.model, by_model.model) == []
+    with pytest.raises(ConfigError, match="pass model or model_init, not both"):
+        Run(model=tiny_model(), model_init=model_init)
+
+    tokenizer = object()
+    assert Run(processing_class=tokenizer).tokenizer is tokenizer
+    with pytest.raises(ConfigError, match="tokenizer and processing_class are the same argument"):
+        Run(tokenizer=object(), processing_class=tokenizer)
+
+    seen = []
+
+    def causal_loss(outputs, labels, num_items_in_batch):  # the default loss, written as Trainer users write it
+        seen.append(int(num_items_in_batch))
+        logits = outputs.logits[:, :-1].reshape(-1, outputs.logits.shape[-1]).float()
+        return torch.nn.functional.cross_entropy(logits, labels[:, 1:].reshape(-1), reduction="sum") / num_items_in_batch
+
+    custom = run_steps(3, model=tiny_model(), output_dir=tmp_path / "loss", compute_loss_func=causal_loss)
+    assert seen == [4 * 15] * 3  # 4 rows of 16 tokens, 15 predicted each
+    assert max((a - b).abs().max().item() for a, b in zip(custom.model.parameters(), by_model.model.parameters())) < 1e-6
+
+
+def _accuracy(prediction):
+    predictions, labels = prediction
+    predicted, target = predictions[:, :-1], labels[:, 1:]
+    return {"accuracy": float(numpy.mean(predicted == target))}
+
+
+def test_preprocess_logits_for_metrics_as_trainer(tmp_path):
+    def argmax(logits, labels):
+        return logits.argmax(-1)
+
+    data = tiny_dataset(12, seed=3)
+    trainer = transformers.Trainer(
+        model=tiny_model(), eval_dataset=data, data_collator=DataCollator(0), compute_metrics=_accuracy,
+        preprocess_logits_for_metrics=argmax,
+        args=transformers.TrainingArguments(output_dir=str(tmp_path / "trainer"), per_device_eval_batch_size=4,
+                                            use_cpu=True, report_to="none", remove_unused_columns=False))
+    theirs = trainer.evaluate()
+    run = Run({"train": {"per_device_eval_batch_size": 4, "output_dir": str(tmp_path / "engine")}},
+              model=tiny_model(), train_dataset=tiny_dataset(), eval_dataset=data, data_collator=DataCollator(0),
+              compute_metrics=_accuracy, preprocess_logits_for_metrics=argmax)
+    ours = run.evaluate()
+    assert ours["eval_accuracy"] == theirs["eval_accuracy"]
+    assert ours["eval_loss"] == pytest.approx(theirs["eval_loss"], abs=1e-5)
+
+
+def _first_tokens(model):
+    """Records the first token of each training row the model sees: the data order."""
+    seen = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: seen.extend(kwargs["input_ids"][:, 0].tolist())
+                                    if module.training else None, with_kwargs=True)
+    return seen
+
+
+def test_logging_evaluation_tokens_and_data_order_as_trainer(tmp_path):
+    shared = dict(max_steps=12, per_device_train_batch_size=8, per_device_eval_batch_size=8, learning_rate=1e-3,
+                  logging_strategy="epoch", eval_strategy="steps", eval_steps=2, eval_delay=4, eval_on_start=True,
+                  include_num_input_tokens_seen="non_padding", data_seed=5, save_strategy="no")
+    data, eval_data = tiny_dataset(ragged=True), tiny_dataset(8, seed=1)
+    model = tiny_model()
+    their_order = _first_tokens(model)
+    trainer = transformers.Trainer(
+        model=model, train_dataset=data, eval_dataset=eval_data, data_collator=DataCollator(0),
+        args=transformers.TrainingArguments(output_dir=str(tmp_path / "trainer"), use_cpu=True, report_to="none",
+                                            remove_unused_columns=False, disable_tqdm=True, seed=1, **shared))
+    trainer.train()
+    model = tiny_model()
+    our_order = _first_tokens(model)
+    run = Run({"train": {"output_dir": str(tmp_path / "engine"), "disable_tqdm": True, "seed": 2, **shared}},
+              model=model, train_dataset=data, eval_dataset=eval_data, data_collator=DataCollator(0))
+    run.train()
+
+    def steps_with(history, key):
+        return [entry["step"] for entry in history if key in entry]
+
+    theirs, ours = trainer.state.log_history, run.state.log_history
+    assert steps_with(theirs, "loss") == steps_with(ours, "loss") == [8, 12]  # each epoch's end
+    assert steps_with(theirs, "eval_loss") == steps_with(ours, "eval_loss") == [0, 4, 6, 8, 10, 12]
+    assert run.state.num_input_tokens_seen == trainer.state.num_input_tokens_seen < 12 * 8 * 16  # padding left out
+    assert [e["num_input_tokens_seen"] for e in theirs if "loss" in e] == [e["num_input_tokens_seen"] for e in ours
+                                                                          if "loss" in e]
+    assert our_order == their_order and len(our_order) == 12 * 8  # data_seed orders the data, not seed
+
+
+def test_logging_no_determinism_tf32_and_loader_options(tmp_path):
+    quiet = run_steps(4, output_dir=tmp_path / "quiet", train={"logging_strategy": "no"})
+    assert not [entry for entry in quiet.state.log_history if "loss" in entry]
+    assert quiet.state.num_input_tokens_seen == 4 * 4 * 16
+
+    options = dict(dataloader_num_workers=1, dataloader_persistent_workers=True, dataloader_prefetch_factor=3,
+                   dataloader_multiprocessing_context="spawn", dataloader_in_order=False)
+    run = Run({"train": {"output_dir": str(tmp_path / "engine"), "full_determinism": True, "tf32": False, **options}},
+              model=tiny_model(), train_dataset=tiny_dataset())
+    before = torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.matmul.allow_tf32
+    try:
+        run.setup()
+        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+        assert torch.backends.cuda.matmul.allow_tf32 is False
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        torch.backends.cuda.matmul.allow_tf32 = before[1]
+    trainer = transformers.Trainer(
+        model=tiny_model(), train_dataset=tiny_dataset(),
+        args=transformers.TrainingArguments(output_dir=str(tmp_path / "trainer"), use_cpu=True, report_to="none",
+                                            remove_unused_columns=False, **options))
+    theirs = trainer.get_train_dataloader()
+    for attribute in ("num_workers", "persistent_workers", "prefetch_factor", "in_order", "pin_memory"):
+        assert getattr(run.train_loader, attribute) == getattr(theirs, attribute), attribute
+    assert run.train_loader.multiprocessing_context.get_start_method() == "spawn"
+    with pytest.raises(ConfigError, match="train.dataloader_prefetch_factor needs worker processes"):
+        Run({"train": {"dataloader_prefetch_factor": 2}})
+
+
+JIT_RUN = """
+[train]
+model = "tiny-llama"
+output_dir = "{out}"
+max_steps = 20
+per_device_train_batch_size = 4
+learning_rate = 1e-3
+logging_steps = 1
+save_strategy = "no"
+enable_jit_checkpoint = true
+disable_tqdm = true
+
+[data]
+train = "{corpus}"
+max_length = 32
+tokenizer = "train"
+tokenizer_vocab_size = 300
+"""
+
+
+def test_sigterm_with_enable_jit_checkpoint_saves_and_resumes_like_an_uninterrupted_run(tmp_path, capfd):
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from safetensors.torch import load_file
+
+    from engine.cli import main
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(f"record {i}: the quick brown fox {i % 7} jumps over {i % 13} dogs" for i in range(400)))
+    files = {}
+    for name in ("reference", "stopped"):
+        files[name] = tmp_path / f"{name}.toml"
+        files[name].write_text(JIT_RUN.format(out=tmp_path / name, corpus=corpus))
+    metrics = tmp_path / "stopped" / "metrics.jsonl"
+    with open(tmp_path / "stopped.log", "w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "engine", "train", str(files["stopped"])], stdout=log,
+                                   stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + 300
+        while process.poll() is None and time.monotonic() < deadline and (
+                not metrics.exists() or metrics.read_text().count('"loss"') < 3):
+            time.sleep(0.01)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=300) == 143
+    text = (tmp_path / "stopped.log").read_text()
+    assert "Traceback" not in text, text
+    checkpoints = sorted((tmp_path / "stopped").glob("checkpoint-*"))
+    assert len(checkpoints) == 1 and f"saved {checkpoints[0]}" in text, text
+    step = int(checkpoints[0].name.split("-")[1])
+    assert 3 <= step < 20
+    record = json.loads((tmp_path / "stopped" / "run.json").read_text())
+    assert record["status"] == "interrupted"
+    assert not (tmp_path / "stopped" / "model.safetensors").exists()  # no final model for a stopped run
+
+    assert main(["train", str(files["stopped"]), "--set", "train.resume_from_checkpoint=true"]) == 0
+    assert f"resumed from {checkpoints[0]} (step {step})" in capfd.readouterr().err
+    assert main(["train", str(files["reference"])]) == 0
+    expected, actual = (load_file(tmp_path / name / "model.safetensors") for name in ("reference", "stopped"))
+    assert expected.keys() == actual.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(actual[name], tensor), name
+
+
+def test_a_trainingarguments_name_that_is_no_train_key_gets_the_tables_answer():
+    with pytest.raises(ConfigError) as refused:
+        Run({"train": {"save_only_model": True}})
+    assert str(refused.value).startswith("train.save_only_model: not a [train] key; TrainingArguments.save_only_model: "
+                                         "no counterpart yet")
+    assert "did you mean" not in str(refused.value)
+    with pytest.raises(ConfigError, match="train.neftune_noise_alpha: not a \\[train\\] key; .*provided by plugin "
+                                          "neftune"):
+        Run({"train": {"neftune_noise_alpha": 5.0}})
