@@ -137,3 +137,28 @@ def test_bad_options_are_refused_by_name(tmp_path, sections, train, message):
 def test_a_run_without_a_tokenizer_is_refused_before_the_first_step(tmp_path):
     with pytest.raises(ConfigError, match="plugin samples needs a tokenizer"):
         run_steps(2, ["samples"], output_dir=tmp_path, sections={"samples": {"prompts": ["a"], "every": "end"}})
+
+
+def test_samples_of_an_adapter_model_come_from_the_adapted_model(tmp_path):
+    peft = pytest.importorskip("peft")
+    # random LoRA weights (B not zero): the adapted model says something else than its base
+    model = peft.get_peft_model(tiny_model(vocab_size=300), peft.LoraConfig(
+        r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    prompts = ["record 7: the", "brown fox"]
+    run = run_steps(2, ["samples"], output_dir=tmp_path, model=model, tokenizer=tiny_tokenizer(),
+                    sections={"samples": {"prompts": prompts, "every": "end", "max_new_tokens": 6}})
+    tokenizer = run.tokenizer
+
+    def greedy():
+        said = []
+        for prompt in prompts:
+            ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+            out = run.model.generate(input_ids=ids, max_new_tokens=6, do_sample=False,
+                                     pad_token_id=tokenizer.pad_token_id)
+            said.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+        return said
+
+    completions = [row["completion"] for row in _rows(tmp_path)]
+    assert completions == greedy()
+    with run.model.disable_adapter():
+        assert greedy() != completions
