@@ -376,7 +376,8 @@ def _best_section(doc: Document, run: RunFiles) -> None:
             lines.append("train.load_best_model_at_end: the final model in output_dir holds these weights")
         doc.bullets(lines)
     status, max_steps = run.status(), train.get("max_steps", -1)
-    if status == "diverged":
+    last_loss = run.train_rows[-1].get("loss") if run.train_rows else 0.0
+    if status == "diverged" or last_loss is None:  # non-finite values are null on disk
         doc.paragraph(f"The run diverged (a nan or inf loss or gradient norm) after step {run.last_step}: "
                       "nothing non-finite was saved; the checkpoints above are from before.")
     elif isinstance(max_steps, int) and 0 < max_steps and run.last_step < max_steps and status == "finished":

@@ -128,3 +128,25 @@ def test_a_folder_without_metrics_is_one_line_and_exit_status_2(tmp_path, capfd)
                    "report (give a run's train.output_dir; a run writes metrics.jsonl from its first log step)"]
     assert cli.main(["report", str(tmp_path), "--size", "big"]) == 2
     assert "--size: expected WIDTHxHEIGHT" in capfd.readouterr().err
+
+
+def test_the_report_says_why_a_run_stopped_early_or_diverged(tmp_path):
+    from engine.errors import TrainingDiverged
+
+    os.environ["ENGINE_REPORT"] = "text"
+    try:
+        # patience 1 and an improvement threshold no evaluation reaches: stops after the 2nd evaluation
+        run_steps(10, ["early_stopping"], output_dir=tmp_path / "stopped", eval_dataset=tiny_dataset(8, seed=1),
+                  sections={"early_stopping": {"patience": 1, "threshold": 100.0}},
+                  train={"eval_strategy": "steps", "eval_steps": 2, "metric_for_best_model": "loss"})
+        with pytest.raises(TrainingDiverged):
+            run_steps(10, output_dir=tmp_path / "diverged", train={"learning_rate": 1e9, "max_grad_norm": 0.0})
+    finally:
+        os.environ["ENGINE_REPORT"] = "off"
+    stopped = (tmp_path / "stopped" / "report.md").read_text()
+    assert "Stopped at step 4 of 10: early_stopping: eval_loss did not improve for 1 evaluation(s) in a row." \
+        in stopped
+    diverged = (tmp_path / "diverged" / "report.md").read_text()
+    assert "- status: failed" in diverged and "The run diverged (a nan or inf loss or gradient norm)" in diverged
+    assert cli.main(["report", str(tmp_path / "diverged"), "--no-plots"]) == 0  # run.json now says diverged
+    assert "- status: diverged" in (tmp_path / "diverged" / "report.md").read_text()
