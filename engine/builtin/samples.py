@@ -182,7 +182,8 @@ class Samples:
 
     @hookimpl
     def on_evaluate(self, run, metrics):
-        if run.config.section(PLUGIN).every == "evaluation":
+        # once per step: Run.evaluate() called after training is at the step the end sampled
+        if run.config.section(PLUGIN).every == "evaluation" and self.sampled_step != run.state.global_step:
             self._sample(run)
 
     @hookimpl
