@@ -221,6 +221,27 @@ def stderr_on_a_pty() -> None:
     stderr_on_a_pty.screen = screen
 
 
+def console_step_cost(steps: int = 20000) -> float:
+    """Seconds per call of the console plugin's on_step_end with its bar drawn on stderr: the
+    bar's whole per-step cost, timed alone so that the machine's noise cannot hide or inflate it."""
+    from types import SimpleNamespace
+
+    from engine.builtin.console import Console
+
+    console = Console()
+    state = SimpleNamespace(max_steps=steps, global_step=0)
+    run = SimpleNamespace(state=state, config=SimpleNamespace(train=SimpleNamespace(disable_tqdm=False)),
+                          strategy=SimpleNamespace(is_main_process=True))
+    console.on_train_start(run)
+    started = time.perf_counter()
+    for step in range(1, steps + 1):
+        state.global_step = step
+        console.on_step_end(run)
+    elapsed = time.perf_counter() - started
+    console.on_train_end(run)
+    return elapsed / steps
+
+
 def sample_round_cost(args: argparse.Namespace) -> list[float]:
     """Seconds of one samples round (the plugin's generate(), as it runs at an evaluation), N times."""
     from types import SimpleNamespace
@@ -316,6 +337,11 @@ def main() -> None:
         screen = getattr(stderr_on_a_pty, "screen", None)
         where = "into this terminal" if screen is None else f"{screen['bytes']} bytes into a pseudo-terminal"
         print(f"bars drawn {where}")
+        per_call = console_step_cost()
+        step = statistics.median(statistics.median(r.step_times(args.warmup)) for r in results.get(
+            "engine", results.get("plain")))
+        print(f"the console's on_step_end with the bar drawn: {1e6 * per_call:.2f} us per step "
+              f"({per_call / step:.2e} of a {1000 * step:.1f} ms step, timed alone)")
     if args.sample_rounds:
         times = sample_round_cost(args)
         step = statistics.median(statistics.median(r.step_times(args.warmup)) for r in results.get(
