@@ -27,6 +27,10 @@ atexit.register(shutil.rmtree, _DATASETS_CACHE, ignore_errors=True)
 os.environ["HF_DATASETS_CACHE"] = _DATASETS_CACHE
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# the end-of-run report's curves cost ~0.6 s per run (plus matplotlib's import): the suite trains
+# hundreds of runs, so no report unless a test asks for one (tests/test_report.py)
+os.environ["ENGINE_REPORT"] = "off"
+
 
 @pytest.fixture
 def entry_point_plugin(tmp_path, monkeypatch):

@@ -37,14 +37,27 @@ Run::
     .venv/bin/python benchmarks/step_overhead.py                  # ~1.5 minutes on 2 idle CPU cores
     .venv/bin/python benchmarks/step_overhead.py --rounds 5 --steps 60 --threads 1
     .venv/bin/python benchmarks/step_overhead.py --only plain,engine
-    .venv/bin/python benchmarks/step_overhead.py --bar            # in a terminal: the progress bars on
+    .venv/bin/python benchmarks/step_overhead.py --bar            # the progress bars on (in a pty)
+    .venv/bin/python benchmarks/step_overhead.py --only plain,engine --bar --sample-rounds 5
+
+``--bar``: engine and Trainer draw their tqdm bars. When stderr is not a terminal, the script
+opens a pseudo-terminal (120x40) and makes it stderr, with a thread reading the screen's bytes,
+so the bars are drawn (and their writes paid) as in a terminal whatever runs the script.
+
+``--sample-rounds N``: after the rounds, the cost of one round of the ``samples`` plugin
+(``--sample-prompts`` prompts x ``--sample-tokens`` new tokens, greedy, on the same model
+shape, in eval mode with the RNG forked) timed N times; reported apart, in seconds and in
+engine steps. The step-time contest itself runs without samples.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import os
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -179,6 +192,77 @@ def run_trainer(model, dataset, collator, args, output_dir) -> Result:
 RUNNERS = {"plain": run_plain, "engine": run_engine, "trainer": run_trainer}
 
 
+def stderr_on_a_pty() -> None:
+    """Make stderr a pseudo-terminal (120x40) whose screen a daemon thread reads and counts (the
+    report goes to stdout as ever)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+    import threading
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    screen = {"bytes": 0}
+
+    def drain() -> None:
+        while True:
+            try:
+                chunk = os.read(master, 1 << 16)
+            except OSError:
+                return
+            if not chunk:
+                return
+            screen["bytes"] += len(chunk)
+
+    threading.Thread(target=drain, daemon=True).start()
+    os.dup2(slave, 2)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+    stderr_on_a_pty.screen = screen
+
+
+def console_step_cost(steps: int = 20000) -> float:
+    """Seconds per call of the console plugin's on_step_end with its bar drawn on stderr: the
+    bar's whole per-step cost, timed alone so that the machine's noise cannot hide or inflate it."""
+    from types import SimpleNamespace
+
+    from engine.builtin.console import Console
+
+    console = Console()
+    state = SimpleNamespace(max_steps=steps, global_step=0)
+    run = SimpleNamespace(state=state, config=SimpleNamespace(train=SimpleNamespace(disable_tqdm=False)),
+                          strategy=SimpleNamespace(is_main_process=True))
+    console.on_train_start(run)
+    started = time.perf_counter()
+    for step in range(1, steps + 1):
+        state.global_step = step
+        console.on_step_end(run)
+    elapsed = time.perf_counter() - started
+    console.on_train_end(run)
+    return elapsed / steps
+
+
+def sample_round_cost(args: argparse.Namespace) -> list[float]:
+    """Seconds of one samples round (the plugin's generate(), as it runs at an evaluation), N times."""
+    from types import SimpleNamespace
+
+    from engine.builtin.samples import generate
+    from engine.testing import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer(max(args.vocab_size, 300))
+    model = build_model(argparse.Namespace(**{**vars(args), "vocab_size": len(tokenizer),
+                                              "seq_len": max(args.seq_len, 256)}))
+    run = SimpleNamespace(model=model, tokenizer=tokenizer, state=SimpleNamespace(global_step=0),
+                          strategy=SimpleNamespace(autocast=contextlib.nullcontext))
+    prompts = [f"record {i}: the quick brown fox" for i in range(args.sample_prompts)]
+    times = []
+    for _ in range(args.sample_rounds + 1):  # the first is a warm-up (generate's first-call costs)
+        started = time.perf_counter()
+        generate(run, prompts, max_new_tokens=args.sample_tokens)
+        times.append(time.perf_counter() - started)
+    return times[1:]
+
+
 # ---------------------------------------------------------------------------- driver
 
 
@@ -196,7 +280,10 @@ def main() -> None:
                         help="torch.set_num_threads for all contenders (default: torch's default)")
     parser.add_argument("--only", default=",".join(CONTENDERS), help="comma-separated subset of plain,engine,trainer")
     parser.add_argument("--bar", action="store_true", help=(
-        "engine and Trainer draw their progress bars (run it in a terminal: bars are drawn only on a tty)"))
+        "engine and Trainer draw their progress bars (into a pseudo-terminal when stderr is not a terminal)"))
+    parser.add_argument("--sample-rounds", type=int, default=0, help="time one samples round N times (default 0)")
+    parser.add_argument("--sample-prompts", type=int, default=4, help="prompts per samples round (default 4)")
+    parser.add_argument("--sample-tokens", type=int, default=32, help="new tokens per prompt (default 32)")
     args = parser.parse_args()
     names = [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = set(names) - set(CONTENDERS)
@@ -207,6 +294,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
+    if args.bar and not sys.stderr.isatty():
+        stderr_on_a_pty()
     started = time.perf_counter()
     reference = build_model(args)
     build_time = time.perf_counter() - started
@@ -244,6 +333,23 @@ def main() -> None:
             del model
 
     report(results, args)
+    if args.bar:
+        screen = getattr(stderr_on_a_pty, "screen", None)
+        where = "into this terminal" if screen is None else f"{screen['bytes']} bytes into a pseudo-terminal"
+        print(f"bars drawn {where}")
+        per_call = console_step_cost()
+        step = statistics.median(statistics.median(r.step_times(args.warmup)) for r in results.get(
+            "engine", results.get("plain")))
+        print(f"the console's on_step_end with the bar drawn: {1e6 * per_call:.2f} us per step "
+              f"({per_call / step:.2e} of a {1000 * step:.1f} ms step, timed alone)")
+    if args.sample_rounds:
+        times = sample_round_cost(args)
+        step = statistics.median(statistics.median(r.step_times(args.warmup)) for r in results.get(
+            "engine", results.get("plain")))
+        round_s = statistics.median(times)
+        print(f"one samples round ({args.sample_prompts} prompts x {args.sample_tokens} new tokens, greedy): median "
+              f"{round_s:.3f} s over {len(times)} (min {min(times):.3f}, max {max(times):.3f}) = "
+              f"{round_s / step:.1f} training steps")
 
 
 def report(results: dict[str, list[Result]], args: argparse.Namespace) -> None:

@@ -1,4 +1,4 @@
-"""The ``engine`` command: train, evaluate, plan, plugins, migrate.
+"""The ``engine`` command: train, evaluate, plan, plugins, migrate, report.
 
 Exit status: 0 success; 2 bad input (a missing run file, a TOML syntax error, an unknown
 plugin, optimizer or key, a wrong type, an output_dir in use by another run, a damaged
@@ -72,6 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
     migrate.add_argument("arguments", metavar="ARGS.json", help="TrainingArguments.to_json_file() output")
     migrate.add_argument("-o", "--output", metavar="RUN.toml", help="write the run file here (default: stdout)")
     migrate.add_argument("--force", action="store_true", help="overwrite an existing -o file")
+    report = commands.add_parser("report", help=(
+        "write report.md, report.html and curves (report-*.png) for a run's output_dir; for several, one "
+        "report comparing them (curves overlaid, differing config keys, final metrics)"))
+    report.add_argument("output_dirs", nargs="+", metavar="OUTPUT_DIR", help="a run's train.output_dir")
+    report.add_argument("--out", metavar="DIR", help=(
+        "where the report goes (default: the output_dir of one run; the current folder for several)"))
+    report.add_argument("--size", default="800x450", metavar="WxH", help="size of each curve in pixels")
+    report.add_argument("--no-plots", action="store_true", help="no curves (report.md and report.html only)")
     return parser
 
 
@@ -259,6 +267,16 @@ def _migrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report_command(args: argparse.Namespace) -> int:
+    from .report import parse_size, write_report
+
+    size = parse_size(args.size)
+    out = args.out if args.out is not None or len(args.output_dirs) == 1 else "."
+    path = write_report(args.output_dirs, out, size=size, plots=not args.no_plots)
+    print(f"wrote {path} and {path.with_suffix('.html')}")
+    return 0
+
+
 RANK_ERROR_DELAY_S = 2.0
 
 
@@ -315,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(_join_plugin_edits(sys.argv[1:] if argv is None else list(argv)))
     command = {"train": _train, "evaluate": _evaluate, "plan": _plan, "plugins": _plugins,
-               "migrate": _migrate}[args.command]
+               "migrate": _migrate, "report": _report_command}[args.command]
     show_traceback = getattr(args, "traceback", False) or os.environ.get("ENGINE_TRACEBACK") == "1"
     try:
         return command(args)

@@ -60,7 +60,7 @@ PER_PLUGIN_HOOKS = ("plugin_options", "checkpoint_state", "load_checkpoint_state
 # reported once by name and switched off for these hooks for the rest of the run (training goes
 # on; the end of the run lists it), unless its options section sets ``strict = true``. Trackers
 # and uploads must never end a run.
-ISOLATED_HOOKS = ("log_hyperparams", "log_metrics", "log_finish", "on_checkpoint_saved")
+ISOLATED_HOOKS = ("log_hyperparams", "log_metrics", "log_samples", "log_finish", "on_checkpoint_saved")
 
 
 def combine_kind(name: str) -> str:
@@ -414,6 +414,31 @@ def log_metrics(run: Run, metrics: dict[str, float], step: int) -> None:
     tracker must append, never start its file anew here. The ``engine evaluate`` command does
     not call it: a job of its own writes ``eval_results.json`` and nothing into the training
     run's logs or trackers.
+    """
+
+
+@hookspec
+def log_samples(run: Run, samples: list[dict[str, Any]], step: int) -> None:
+    """Record text the model generated at optimizer step ``step`` (the ``samples`` plugin).
+
+    ``samples`` is one row per prompt: ``{"step": int, "prompt": str | list[dict], "completion":
+    str}``; ``prompt`` is the text given, or the chat's ``messages`` list for a chat prompt, and
+    ``completion`` the decoded new tokens only (special tokens skipped).
+
+    **When**: each time a plugin generates samples (the builtin ``samples`` plugin: after each
+    evaluation, or only at the end of training, per ``[samples] every``), after that step's
+    ``log_metrics`` and on the main process only. **Combine**: isolated. The builtin writes
+    ``output_dir/samples.jsonl`` (a resumed run drops what was written after its checkpoint's
+    step, as for ``metrics.jsonl``); a tracker shows them as a table (TensorBoard: a text
+    summary ``samples`` at that step).
+
+    Example::
+
+        @hookimpl
+        def log_samples(run, samples, step):
+            table = "| prompt | completion |\n| --- | --- |\n" + "\n".join(
+                f"| {row['prompt']} | {row['completion']} |" for row in samples)
+            my_tracker.log_text("samples", table, step=step)
     """
 
 

@@ -54,6 +54,7 @@ BUILTIN_PLUGINS = (
     "engine.builtin.patches",
     "engine.builtin.console:Console",
     "engine.builtin.jsonl:JsonlLogger",
+    "engine.builtin.report",
 )
 
 # Registry kinds: (register hook, config key that selects a name, noun in messages)

@@ -65,6 +65,17 @@ class TokenDataset(torch.utils.data.Dataset):
         return {"input_ids": row, "labels": row}
 
 
+def tiny_tokenizer(vocab_size: int = 300) -> Any:
+    """A byte-level BPE tokenizer trained on :data:`TEST_CORPUS` (pair it with
+    ``tiny_model(vocab_size=300)``), with a minimal chat template; a fresh copy per call."""
+    from .data import train_tokenizer
+
+    tokenizer = train_tokenizer([TEST_CORPUS], vocab_size)
+    tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}<assistant>{% endif %}")
+    return tokenizer
+
+
 def tiny_dataset(size: int = 64, seq_len: int = 16, vocab_size: int = 128, seed: int = 0,
                  ragged: bool = False) -> TokenDataset:
     """``size`` rows of ``seq_len`` tokens with a learnable pattern (each token predicts the next).

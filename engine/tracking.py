@@ -3,6 +3,7 @@
 * :func:`flatten_config` turns the composed config into flat ``"train.learning_rate"`` keys
   whose values a tracker accepts, within its limits on key and value length.
 * :func:`scalar_metrics` keeps the numbers of a ``log_metrics`` call (trackers plot scalars).
+* :func:`samples_table` renders a ``log_samples`` call as a markdown table (text trackers show).
 * :func:`tracker_run_name` is the run's name for a tracker (``train.run_name`` or output_dir's).
 * :class:`BackgroundSender` sends a slow client's calls from a thread so steps never wait on
   the network; an error it met is raised on the next call, where the isolated logging hooks
@@ -73,6 +74,20 @@ def scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     """The numbers among ``metrics`` as floats (bools and strings are not scalars to plot)."""
     return {key: float(value) for key, value in metrics.items()
             if isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
+def samples_table(samples: list[dict[str, Any]]) -> str:
+    """``log_samples``' rows as a markdown table ``| step | prompt | completion |``; a chat prompt
+    shows as its messages' ``role: content``; pipes and newlines are escaped so each row stays one."""
+
+    def cell(value: Any) -> str:
+        if isinstance(value, list):
+            value = " / ".join(f"{m.get('role')}: {m.get('content')}" for m in value)
+        return str(value).replace("\\", "\\\\").replace("|", "\\|").replace("\n", "<br>")
+
+    lines = ["| step | prompt | completion |", "| --- | --- | --- |"]
+    lines += [f"| {row['step']} | {cell(row['prompt'])} | {cell(row['completion'])} |" for row in samples]
+    return "\n".join(lines)
 
 
 def tracker_run_name(run: Any) -> str:

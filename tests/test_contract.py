@@ -9,7 +9,7 @@ import pytest
 import engine
 
 from engine import hookspecs
-from engine.testing import HOOK_NAMES, HookRecorder, run_steps, tiny_dataset
+from engine.testing import HOOK_NAMES, HookRecorder, run_steps, tiny_dataset, tiny_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,13 +27,18 @@ def test_every_hook_documents_when_and_how_results_combine(name):
 
 def test_every_hook_is_called_by_a_run(tmp_path):
     """One run that evaluates, saves and resumes fires every hook the spec declares."""
+    # samples: log_samples (a generation needs a tokenizer, and the model its vocabulary)
+    samples = {"plugins": ["samples"], "tokenizer": tiny_tokenizer(),
+               "sections": {"samples": {"prompts": ["a"], "max_new_tokens": 1}}}
     first = HookRecorder()
-    run_steps(2, objects=[first], output_dir=tmp_path, eval_dataset=tiny_dataset(4),
-              train={"eval_strategy": "steps", "eval_steps": 1, "save_strategy": "steps", "save_steps": 2})
+    run_steps(2, objects=[first], output_dir=tmp_path, eval_dataset=tiny_dataset(4), model=tiny_model(vocab_size=300),
+              train={"eval_strategy": "steps", "eval_steps": 1, "save_strategy": "steps", "save_steps": 2},
+              **samples)
     resumed = HookRecorder()
     # a path (rather than true) asks locate_checkpoint first
-    run_steps(3, objects=[resumed], output_dir=tmp_path,
-              train={"resume_from_checkpoint": str(tmp_path / "checkpoint-2")})
+    run_steps(3, objects=[resumed], output_dir=tmp_path, model=tiny_model(vocab_size=300), eval_dataset=tiny_dataset(4),
+              train={"resume_from_checkpoint": str(tmp_path / "checkpoint-2"), "eval_strategy": "steps",
+                     "eval_steps": 1}, **samples)
     from_data = HookRecorder()  # run_steps passes its dataset: the data hook fires for [data] only
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(f"line {i} of a small corpus" for i in range(50)))

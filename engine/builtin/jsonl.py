@@ -1,6 +1,7 @@
-"""``output_dir/metrics.jsonl``: one JSON object per log event; ``hyperparams.json``.
+"""``output_dir/metrics.jsonl``: one JSON object per log event; ``hyperparams.json``;
+``samples.jsonl``: one JSON object per generated sample (``log_samples``).
 
-A fresh run starts the file anew. A resumed run keeps the records up to the step it resumed
+A fresh run starts the files anew. A resumed run keeps the records up to the step it resumed
 from and appends after them, so a run interrupted any number of times ends with the same
 records as one that never was (timings aside).
 """
@@ -12,6 +13,7 @@ import math
 import os
 
 from engine import hookimpl
+from engine.layout import METRICS, SAMPLES
 from engine.util import dumps_json, write_json
 
 
@@ -38,10 +40,11 @@ class JsonlLogger:
 
     def __init__(self):
         self.handle = None
+        self.samples = None  # samples.jsonl, opened on the first log_samples
 
     def _open(self, run, mode):
         run.output_dir.mkdir(parents=True, exist_ok=True)
-        self.handle = open(run.output_dir / "metrics.jsonl", mode, encoding="utf-8")
+        self.handle = open(run.output_dir / METRICS, mode, encoding="utf-8")
 
     @hookimpl
     def log_hyperparams(self, run, params):
@@ -49,7 +52,10 @@ class JsonlLogger:
         # from, without what the interrupted run logged after its checkpoint
         step = run.state.global_step
         if step > 0:
-            _drop_records_after(run.output_dir / "metrics.jsonl", step)
+            _drop_records_after(run.output_dir / METRICS, step)
+            _drop_records_after(run.output_dir / SAMPLES, step)
+        else:
+            (run.output_dir / SAMPLES).unlink(missing_ok=True)
         self._open(run, "a" if step > 0 else "w")
         write_json(run.output_dir / "hyperparams.json", params)
 
@@ -61,7 +67,17 @@ class JsonlLogger:
         self.handle.flush()
 
     @hookimpl
+    def log_samples(self, run, samples, step):
+        if self.samples is None:
+            run.output_dir.mkdir(parents=True, exist_ok=True)
+            self.samples = open(run.output_dir / SAMPLES, "a", encoding="utf-8")
+        # one write per round: a kill cuts at most its last line, which a resume drops
+        self.samples.write("".join(dumps_json(row, ensure_ascii=False) + "\n" for row in samples))
+        self.samples.flush()
+
+    @hookimpl
     def log_finish(self, run, status):
-        if self.handle is not None:
-            self.handle.close()
-            self.handle = None
+        for handle in (self.handle, self.samples):
+            if handle is not None:
+                handle.close()
+        self.handle = self.samples = None

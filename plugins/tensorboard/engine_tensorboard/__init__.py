@@ -1,7 +1,8 @@
 """TensorBoard event files for the engine (``plugins = ["tensorboard"]``, Trainer's ``report_to``).
 
 Numbers are scalars at their step; the composed config is a text summary ``config`` (JSON) and
-the hparams of the run (flattened). The writer's own thread writes the events (flushing a log
+the hparams of the run (flattened); generated samples (``log_samples``) a markdown table ``samples``
+at their step. The writer's own thread writes the events (flushing a log
 would make the step wait for it: 3.5 ms on the tiny model); an error it met (a full disk) is
 raised by the next log, where the engine reports it.
 """
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from engine import hookimpl, option
-from engine.tracking import Tracker, flatten_config, scalar_metrics
+from engine.tracking import Tracker, flatten_config, samples_table, scalar_metrics
 from engine.util import dumps_json
 
 
@@ -60,6 +61,11 @@ class TensorBoardTracker(Tracker):
             return
         for key, value in scalar_metrics(metrics).items():
             self.writer.add_scalar(key, value, step)
+
+    @hookimpl
+    def log_samples(self, run, samples, step):
+        if self.writer is not None:
+            self.writer.add_text("samples", samples_table(samples), global_step=step)
 
     @hookimpl
     def log_finish(self, run, status):

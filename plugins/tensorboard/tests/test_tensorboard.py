@@ -10,8 +10,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.hparams import plugin_data_pb2
 
 from engine import hookimpl
-from engine.testing import logged_scalars, run_steps, same_weights, tiny_dataset
-from engine.tracking import flatten_config
+from engine.testing import logged_scalars, run_steps, same_weights, tiny_dataset, tiny_model, tiny_tokenizer
+from engine.tracking import flatten_config, samples_table
 
 
 def read_events(logdir):
@@ -39,6 +39,18 @@ def test_scalars_config_and_hparams_read_back(tmp_path):
     assert start.hparams["train.learning_rate"].number_value == 0.01
     assert start.hparams["train.optim"].string_value == hyperparams["train"]["optim"]
     assert set(start.hparams) == set(flatten_config(hyperparams))
+
+
+def test_samples_are_a_text_table_at_their_step(tmp_path):
+    run_steps(2, plugins=["tensorboard", "samples"], output_dir=tmp_path, model=tiny_model(vocab_size=300),
+              tokenizer=tiny_tokenizer(), sections={"samples": {"prompts": ["the | quick", "fox"], "every": "end",
+                                                                 "max_new_tokens": 3}})
+    (logdir,) = (tmp_path / "runs").iterdir()
+    (text,) = read_events(logdir).Tensors("samples/text_summary")
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert text.step == 2 and [row["prompt"] for row in rows] == ["the | quick", "fox"]
+    assert text.tensor_proto.string_val[0].decode() == samples_table(rows)
+    assert "| 2 | the \\| quick | " in samples_table(rows)
 
 
 class FillDisk:
