@@ -41,8 +41,8 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-def build_model(train: TrainConfig, tokenizer: Any = None) -> torch.nn.Module:
-    """The model named by ``train.model`` (see the module docstring)."""
+def build_model(train: TrainConfig, tokenizer: Any = None, load_kwargs: dict[str, Any] | None = None) -> torch.nn.Module:
+    """The model named by ``train.model`` (see the module docstring); ``load_kwargs`` go to ``from_pretrained``."""
     spec = train.model
     if is_callable_spec(spec):
         model = call_user("train.model", spec, load_callable(spec, "train.model"), tokenizer)
@@ -52,7 +52,7 @@ def build_model(train: TrainConfig, tokenizer: Any = None) -> torch.nn.Module:
     if Path(spec).is_dir():  # its files were checked by check_model when setup began
         import transformers
 
-        return _model_class(transformers.AutoConfig.from_pretrained(spec)).from_pretrained(spec)
+        return _model_class(transformers.AutoConfig.from_pretrained(spec)).from_pretrained(spec, **(load_kwargs or {}))
     config = model_config(train, tokenizer)
     torch.manual_seed(train.seed)
     return _instantiate(config)
