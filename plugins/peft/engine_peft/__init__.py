@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -125,7 +125,9 @@ def wrap(model: torch.nn.Module, options: PeftOptions) -> Any:
 
     config = peft_config(options)
     try:
-        return peft.get_peft_model(model, config)
+        with warnings.catch_warnings():  # peft asks transformers' deprecated is_gradient_checkpointing
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            return peft.get_peft_model(model, config)
     except ValueError as exc:  # NoMatchingPeftModuleError is a ValueError
         if "not found in the base model" in str(exc) or "No modules were targeted" in str(exc):
             names = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
