@@ -256,7 +256,9 @@ def configure(run):
 @hookimpl(tryfirst=True)
 def patch_model(run, model):
     """Wrap the model first, so the other patches (NEFTune, activation checkpointing) see the base
-    modules the adapter sits on."""
+    modules the adapter sits on. With frozen embeddings, reentrant activation checkpointing needs
+    grads at the blocks' inputs: transformers' activation_checkpointing_enable (the builtin patch)
+    turns them on for models that take input_ids."""
     import peft
 
     options = _options(run)
@@ -265,10 +267,6 @@ def patch_model(run, model):
             model = peft.prepare_model_for_kbit_training(
                 model, use_gradient_checkpointing=bool(run.config.train.activation_checkpointing))
         model = wrap(model, options)
-    if run.config.train.activation_checkpointing:
-        # the embeddings are frozen: without grads at the blocks' inputs, reentrant checkpointing
-        # would give the adapters inside them no gradient
-        model.enable_input_require_grads()
     run.model = model
     source = run.weights.source
     run.weights.fingerprint = base_fingerprint(model, str(source) if source else run.config.train.model)
