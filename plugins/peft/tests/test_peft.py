@@ -40,6 +40,7 @@ def test_plan_shows_the_adapter_and_bad_options_are_one_line_errors(tmp_path, ca
     assert "trainable parameters 896 of " in plan.stdout, plan.stdout
     saved = tmp_path / "saved"
     tiny_model().save_pretrained(saved)
+    galore = ["--plugins", "+galore", "--set", "train.optim=galore_adamw", "--set", 'train.optim_target_modules=["q_proj"]']
     for edits, fragment in [
         (["peft.rank=4"], "peft.rank: unknown key; known keys: method, r, lora_alpha, "),
         (['peft.target_modules=["qproj"]'], "peft.target_modules: ['qproj'] matches no module of LlamaForCausalLM; "
@@ -50,8 +51,10 @@ def test_plan_shows_the_adapter_and_bad_options_are_one_line_errors(tmp_path, ca
         (["peft.quantize=4bit", "peft.merge=true", f"train.model={saved}"], "peft.merge: a quantized base cannot"),
         (["peft.method=ia3", "peft.r=16"], "peft.r: a LoRA option; method = 'ia3' takes"),
         (["peft.lora_dropout=1.5"], "peft.lora_dropout: expected float in [0, 1), got 1.5"),
+        (galore, "train.optim: 'galore_adamw' cannot train adapters: GaLore and APOLLO project the gradients"),
     ]:
-        argv = ["train", str(run_file), *[arg for edit in edits for arg in ("--set", edit)]]
+        argv = ["train", str(run_file), *(edits if edits[0].startswith("--") else
+                                          [arg for edit in edits for arg in ("--set", edit)])]
         assert_one_line_error(_cli(capfd, *argv), fragment)
         assert not (tmp_path / "out" / "metrics.jsonl").exists()  # refused before training
 
