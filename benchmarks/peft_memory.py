@@ -77,7 +77,6 @@ def measure(mode: str, args: argparse.Namespace, output_dir: str) -> dict[str, A
     import peft  # noqa: F401  (imported before the memory baseline, like the optimizer libraries)
 
     torch.set_num_threads(args.threads)
-    device = "cuda" if args.gpu else "cpu"
     meter = om.CudaPeak() if args.gpu else om.rss_meter(args.model)
     probe = om.Probe(meter, args.warmup, args.steps)
     config = json.loads((Path(args.base) / "config.json").read_text())

@@ -20,7 +20,6 @@ when training ends: ``run.model`` stays the trained ``PeftModel``.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import warnings
 from dataclasses import dataclass
@@ -272,4 +271,3 @@ def patch_model(run, model):
     run.weights.fingerprint = base_fingerprint(model, str(source) if source else run.config.train.model)
     for line in describe(model):
         logger.info(line)
-    return None

@@ -16,8 +16,15 @@ import engine
 from engine import CheckpointError, hookimpl
 from engine.cli import main
 from engine.data import DataCollator
-from engine.testing import (assert_one_line_error, assert_resume_is_exact, assert_same_state, run_steps, tiny_dataset,
-                            tiny_model, write_run_file)
+from engine.testing import (
+    assert_one_line_error,
+    assert_resume_is_exact,
+    assert_same_state,
+    run_steps,
+    tiny_dataset,
+    tiny_model,
+    write_run_file,
+)
 
 LORA = {"r": 4, "lora_alpha": 8.0, "target_modules": "all-linear"}
 
@@ -38,6 +45,11 @@ def test_plan_shows_the_adapter_and_bad_options_are_one_line_errors(tmp_path, ca
         in plan.stdout
     # hidden 32: q_proj 4 x (32 + 32), v_proj (k/v heads 2 of 4: 16 wide) 4 x (32 + 16), two layers
     assert "trainable parameters 896 of " in plan.stdout, plan.stdout
+    for edits, kind in ((["peft.method=dora"], "LORA (DoRA) adapter on 4 modules"),
+                        (["peft.method=ia3", "peft.r=8", 'peft.feedforward_modules=["v_proj"]'],
+                         "IA3 adapter on 4 modules")):
+        plan = _cli(capfd, "plan", str(run_file), *[arg for edit in edits for arg in ("--set", edit)])
+        assert plan.returncode == 0 and f"peft: {kind}" in plan.stdout, plan.stderr
     saved = tmp_path / "saved"
     tiny_model().save_pretrained(saved)
     galore = ["--plugins", "+galore", "--set", "train.optim=galore_adamw", "--set", 'train.optim_target_modules=["q_proj"]']
