@@ -38,7 +38,8 @@ __version__ = "0.1.0"
 logger = logging.getLogger("engine.peft")
 METHODS = ("lora", "dora", "ia3")
 # options only LoRA and DoRA take (IA3 has no rank, scaling or dropout)
-LORA_ONLY = ("r", "lora_alpha", "lora_dropout", "bias", "use_rslora", "use_dora", "init_lora_weights")
+LORA_ONLY = ("r", "lora_alpha", "lora_dropout", "bias", "use_rslora", "use_dora", "init_lora_weights",
+             "layers_to_transform")
 # options that build an adapter: a PeftModel given to Run(model=...) has its own config
 ADAPTER_OPTIONS = (*LORA_ONLY, "method", "target_modules", "exclude_modules", "modules_to_save",
                    "layers_to_transform", "feedforward_modules", "quantize")
@@ -67,7 +68,7 @@ class PeftOptions:
     init_lora_weights: bool | Literal["gaussian", "pissa", "olora", "orthogonal"] = option(True, help=(
         "LoRA initialisation: true (B = 0, A Kaiming), false (random B: not an identity at start), "
         "gaussian, pissa, olora, orthogonal"))
-    layers_to_transform: list[int] | None = option(None, help="adapt only these layer indices")
+    layers_to_transform: list[int] | None = option(None, help="LoRA: adapt only these layer indices")
     feedforward_modules: list[str] | str | None = option(None, help=(
         "IA3: the target modules whose input (not output) is scaled; unset: peft's default"))
     quantize: Literal["4bit", "8bit"] | None = option(None, help=(
@@ -100,12 +101,12 @@ def peft_config(options: PeftOptions) -> Any:
     import peft
 
     common = {"target_modules": options.target_modules, "exclude_modules": options.exclude_modules,
-              "modules_to_save": options.modules_to_save or None, "layers_to_transform": options.layers_to_transform,
-              "task_type": "CAUSAL_LM"}
+              "modules_to_save": options.modules_to_save or None, "task_type": "CAUSAL_LM"}
     try:
         if options.method == "ia3":
             return peft.IA3Config(**common, feedforward_modules=options.feedforward_modules)
-        return peft.LoraConfig(**common, r=options.r, lora_alpha=options.lora_alpha,
+        return peft.LoraConfig(**common, layers_to_transform=options.layers_to_transform, r=options.r,
+                               lora_alpha=options.lora_alpha,
                                lora_dropout=options.lora_dropout, bias=options.bias, use_rslora=options.use_rslora,
                                use_dora=options.use_dora or options.method == "dora",
                                init_lora_weights=options.init_lora_weights)
@@ -189,7 +190,7 @@ def _check_composition(run: Any, options: PeftOptions) -> None:
         changed = _changed_options(options, LORA_ONLY)
         if changed:
             raise ConfigError(f"peft.{changed[0]}: a LoRA option; method = 'ia3' takes target_modules, "
-                              "feedforward_modules, modules_to_save, layers_to_transform")
+                              "exclude_modules, feedforward_modules, modules_to_save")
     elif options.feedforward_modules is not None:
         raise ConfigError(f"peft.feedforward_modules: an IA3 option; method is {options.method!r}")
     if options.quantize:
