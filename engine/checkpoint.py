@@ -21,6 +21,9 @@ Layout (Hugging Face compatible)::
     output_dir/                           the final model: the same model files, and
         model_complete                    its manifest, written last
 
+Which weights are saved, in which files, is ``run.weights`` (:class:`ModelWeights`): every weight
+in the layout above, or the part a plugin selects (peft's adapter, in its own layout).
+
 Crash safety: a checkpoint is written into ``.tmp-checkpoint-<step>`` and renamed into place,
 so a folder named ``checkpoint-<step>`` is always complete (the manifest guards against copies).
 A folder is deleted (rotation, overwrite) by first renaming it to ``.deleting-<name>``, so a

@@ -155,7 +155,8 @@ class Strategy:
         return model.state_dict()
 
     def load_model_weights(self, model: torch.nn.Module, folder: Any) -> None:
-        """Load the full weights saved in ``folder`` (a checkpoint or a final model) into ``model``."""
+        """Load the weights saved in ``folder`` (a checkpoint or a final model) into ``model``: all of them, or
+        the part ``run.weights`` selects (an adapter)."""
         self.run.weights.load(self.run, model, Path(folder), self.device)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
