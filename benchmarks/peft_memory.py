@@ -6,7 +6,7 @@ fp32 on the CPU) on the same batches through ``engine.Run`` in three ways, each 
 worker process (this script with ``--worker``), so memory figures are per mode:
 
 * ``full``: every weight trains;
-* ``lora``: plugin peft, ``r = 16``, ``lora_alpha = 32``, ``target_modules = "all-linear"``;
+* ``lora``: plugin peft, ``r = 8`` (peft's default), ``lora_alpha = 16``, ``target_modules = "all-linear"``;
 * ``qlora``: the same adapter on the base loaded 4-bit (NF4, double quantization, compute dtype
   float32 on the CPU and bfloat16 on a GPU).
 
@@ -51,7 +51,7 @@ from engine.data import DataCollator
 from engine.testing import tiny_dataset
 
 MODES = ("full", "lora", "qlora")
-ADAPTER = {"r": 16, "lora_alpha": 32.0, "target_modules": "all-linear"}
+ADAPTER = {"r": 8, "lora_alpha": 16.0, "target_modules": "all-linear"}  # r: peft's default
 # ~1.1B parameters, TinyLlama-1.1B's shape, for --gpu
 GPU_MODEL = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
              "num_attention_heads": 32, "num_key_value_heads": 4, "max_position_embeddings": 2048,
