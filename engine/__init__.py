@@ -31,6 +31,7 @@ _LAZY = {
     "TrainState": "engine.state",
     "Control": "engine.state",
     "Strategy": "engine.strategy",
+    "ModelWeights": "engine.checkpoint",
     "EvalPrediction": "engine.loop",
     "TrainConfig": "engine.config",
     "DataConfig": "engine.config",

@@ -37,6 +37,7 @@ _GALORE_OPTIMIZERS = tuple(
 
 FIRST_PARTY: dict[str, FirstParty] = {
     "neftune": FirstParty("neftune"),
+    "peft": FirstParty("peft"),
     "liger": FirstParty("liger"),
     "bnb": FirstParty("bnb", {"optimizer": _BNB_OPTIMIZERS}),
     "galore": FirstParty("galore", {"optimizer": _GALORE_OPTIMIZERS}),

@@ -21,6 +21,9 @@ Layout (Hugging Face compatible)::
     output_dir/                           the final model: the same model files, and
         model_complete                    its manifest, written last
 
+Which weights are saved, in which files, is ``run.weights`` (:class:`ModelWeights`): every weight
+in the layout above, or the part a plugin selects (peft's adapter, in its own layout).
+
 Crash safety: a checkpoint is written into ``.tmp-checkpoint-<step>`` and renamed into place,
 so a folder named ``checkpoint-<step>`` is always complete (the manifest guards against copies).
 A folder is deleted (rotation, overwrite) by first renaming it to ``.deleting-<name>``, so a
@@ -323,7 +326,7 @@ def _unique_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tens
 
 
 @contextlib.contextmanager
-def _quiet_transformers():
+def quiet_transformers():
     """No "Writing model shards" progress bar in the middle of training output."""
     from transformers.utils import logging as hf_logging
 
@@ -342,12 +345,45 @@ def write_model(run: Run, folder: Path, model_state: dict[str, torch.Tensor]) ->
 
     folder.mkdir(parents=True, exist_ok=True)
     if hasattr(run.model, "save_pretrained"):
-        with _quiet_transformers():
+        with quiet_transformers():
             run.model.save_pretrained(folder, state_dict=model_state, safe_serialization=True)
     else:
         save_file(_unique_tensors(model_state), str(folder / WEIGHTS))
     if hasattr(run.tokenizer, "save_pretrained"):
         run.tokenizer.save_pretrained(folder)
+
+
+class ModelWeights:
+    """Which of the model's weights a checkpoint and the final model hold, and how they are written and read.
+
+    ``run.weights`` is one of these. The default holds every weight: ``save_pretrained``'s layout
+    for HF models (``model.safetensors``), the safetensors file alone for other modules. A plugin
+    that trains a part of a frozen model (peft adapters) sets ``run.weights`` to a subclass in
+    ``configure``, before a resume is validated: its checkpoints are then complete with the files
+    :meth:`files` names (checksummed like any other), and resume, ``load_best_model_at_end`` and
+    ``engine evaluate --checkpoint`` read them back through :meth:`load`. Strategies that write
+    sharded or engine-specific files (FSDP, DeepSpeed) do not consult it.
+    """
+
+    def select(self, run: Run, model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The part of the full state dict that is saved (checked finite first)."""
+        return model_state
+
+    def files(self, folder: Path) -> tuple[str, ...]:
+        """The weight files :meth:`write` put into ``folder`` (required to resume from it)."""
+        return (WEIGHTS_INDEX if (folder / WEIGHTS_INDEX).is_file() else WEIGHTS,)
+
+    def write(self, run: Run, folder: Path, state: dict[str, torch.Tensor]) -> None:
+        """Write the selected ``state`` (and the tokenizer) into a checkpoint ``folder``."""
+        write_model(run, folder, state)
+
+    def write_final(self, run: Run, folder: Path, state: dict[str, torch.Tensor]) -> None:
+        """Write the final model into ``folder`` (its files are then moved into output_dir)."""
+        self.write(run, folder, state)
+
+    def load(self, run: Run, model: torch.nn.Module, folder: Path, device: Any) -> None:
+        """Load what :meth:`write` saved in ``folder`` into ``model``; a mismatch is a CheckpointError."""
+        load_weights(model, folder, device)
 
 
 def check_finite_weights(run: Run, model_state: dict[str, torch.Tensor], what: str) -> None:
@@ -657,12 +693,13 @@ def save_final_model(run: Run) -> None:
     """
     model_state = run.strategy.model_state_dict(run.model)
     if run.strategy.is_main_process:
+        model_state = run.weights.select(run, model_state)
         check_finite_weights(run, model_state, "the final model")
         out = run.output_dir
         tmp = out / FINAL_TMP
         shutil.rmtree(tmp, ignore_errors=True)
         with _writing("the final model", out, tmp):
-            write_model(run, tmp, model_state)
+            run.weights.write_final(run, tmp, model_state)
             write_manifest(tmp, FINAL_MARKER, run_id=run.run_id, step=run.state.global_step,
                            epoch=round(run.state.epoch, 4))
         previous = final_model_files(out)
@@ -764,6 +801,9 @@ def validate(run: Run, path: Path) -> None:
         if WEIGHTS in strategy_files or WEIGHTS_INDEX in strategy_files:
             for weights_file in _weight_files(path):
                 _check_safetensors(weights_file)
+        for name in strategy_files:
+            if name.endswith(".safetensors") and name != WEIGHTS:
+                _check_safetensors(path / name)
     except CheckpointError as exc:
         raise CheckpointError(f"checkpoint {exc}") from None
     for name in [*REQUIRED[1:], *(n for n in strategy_files if n.endswith(".pt")),

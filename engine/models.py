@@ -44,9 +44,10 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-def build_model(train: TrainConfig, tokenizer: Any = None, labels: dict[str, Any] | None = None) -> torch.nn.Module:
+def build_model(train: TrainConfig, tokenizer: Any = None, labels: dict[str, Any] | None = None,
+                load_kwargs: dict[str, Any] | None = None) -> torch.nn.Module:
     """The model named by ``train.model`` (see the module docstring); ``labels``: a classifier's
-    num_labels, id2label, label2id, problem_type."""
+    num_labels, id2label, label2id, problem_type; ``load_kwargs`` go to ``from_pretrained``."""
     spec = train.model
     if is_callable_spec(spec):
         model = call_user("train.model", spec, load_callable(spec, "train.model"), tokenizer)
@@ -57,7 +58,7 @@ def build_model(train: TrainConfig, tokenizer: Any = None, labels: dict[str, Any
         import transformers
 
         cls = _model_class(transformers.AutoConfig.from_pretrained(spec), train.task)
-        return cls.from_pretrained(spec, **(labels or {}))
+        return cls.from_pretrained(spec, **(labels or {}), **(load_kwargs or {}))
     config = model_config(train, tokenizer, labels)
     torch.manual_seed(train.seed)
     return _instantiate(config, train.task)

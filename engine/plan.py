@@ -61,6 +61,9 @@ def render_plan(run: Run) -> str:
         lines.append(f"  {kind:<10} selected {entry.name!r} from {entry.plugin}; "
                      f"available: {', '.join(registry.names())}")
 
+    if run.plan_notes:
+        lines += ["", "plugin notes:", *(f"  {note}" for note in run.plan_notes)]
+
     lines += ["", "config (defaults filled in):", ""]
     lines.append(to_toml(run.config.to_mapping(), _help_comments(run)))
     return "\n".join(lines)

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from . import config as cfg
+from .checkpoint import ModelWeights
 from .errors import ConfigError
 from .logs import quiet_known_noise, setup_logging
 from .plugins import PLUGINS_ENV, EnvironmentPlugins, IsolatedHooks, PluginManager
@@ -103,6 +104,10 @@ class Run:
         raw["plugins"] = enabled + [name for name in objects if name not in enabled]
         origins = {name: "Run(plugins=...)" if name in objects else "the run config" if name in in_config
                    else PLUGINS_ENV if name in environment.added else "--plugins" for name in raw["plugins"]}
+        if _is_peft_model(model) and ADAPTER_PLUGIN not in raw["plugins"]:
+            # its checkpoints hold the adapter only: the plugin that saves and loads them comes with it
+            raw["plugins"].append(ADAPTER_PLUGIN)
+            origins[ADAPTER_PLUGIN] = "Run(model=<a peft model>)"
         self.plugin_manager = PluginManager(raw["plugins"], objects, origins=origins, excluded=environment.excluded,
                                             required=cfg.required_plugins(raw))
         _register_trainer_arguments(self.plugin_manager, [*(callbacks or ()), *given_callbacks], compute_loss_func)
@@ -148,6 +153,13 @@ class Run:
         self.num_training_steps = 0
         self.label_shift = False
         self.undo_patches: list[Callable[[], None]] = []
+        # which weights checkpoints and the final model hold (a plugin may narrow it in configure)
+        self.weights = ModelWeights()
+        # from_pretrained keywords for a train.model folder, set by plugins in configure
+        # (peft's quantization_config: the base loads quantized, never at full size first)
+        self.model_load_kwargs: dict[str, Any] = {}
+        # lines a plugin adds in configure for `engine plan` (what it will do to the model)
+        self.plan_notes: list[str] = []
         self.run_id: str | None = None  # set when training claims output_dir (engine.rundir)
         self.is_setup = False
         self._task: str | None = None
@@ -235,7 +247,7 @@ class Run:
             labels = tasks.label_settings(train, task, tasks.label_names(self.train_dataset, task),
                                           self.train_dataset)
             with self.strategy.model_init_context():
-                self.model = build_model(train, self.tokenizer, labels)
+                self.model = build_model(train, self.tokenizer, labels, self.model_load_kwargs)
             self._check_model("train.model")
         self._check_task_data(task)
         if self.data_collator is None:
@@ -440,6 +452,14 @@ def _set_determinism(train: cfg.TrainConfig) -> None:
     if train.tf32 is not None:
         torch.backends.cuda.matmul.allow_tf32 = train.tf32
         torch.backends.cudnn.allow_tf32 = train.tf32
+
+
+ADAPTER_PLUGIN = "peft"
+
+
+def _is_peft_model(model: Any) -> bool:
+    """A model wrapped by peft (checked by its class's module: the core does not import peft)."""
+    return model is not None and type(model).__module__.split(".")[0] == "peft"
 
 
 def _resolve_defaults(train: cfg.TrainConfig) -> None:

@@ -155,10 +155,9 @@ class Strategy:
         return model.state_dict()
 
     def load_model_weights(self, model: torch.nn.Module, folder: Any) -> None:
-        """Load the full weights saved in ``folder`` (a checkpoint or a final model) into ``model``."""
-        from .checkpoint import load_weights
-
-        load_weights(model, folder, self.device)
+        """Load the weights saved in ``folder`` (a checkpoint or a final model) into ``model``: all of them, or
+        the part ``run.weights`` selects (an adapter)."""
+        self.run.weights.load(self.run, model, Path(folder), self.device)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The full optimizer state, for saving on the main process."""
@@ -175,21 +174,20 @@ class Strategy:
         written. Here the main process writes the full weights in the HF layout and optimizer.pt,
         so the checkpoint resumes under any number of processes; sharded strategies write shards.
         """
-        from .checkpoint import check_finite_weights, write_model
+        from .checkpoint import check_finite_weights
 
         model_state = self.model_state_dict(run.model)
         if self.is_main_process:
+            model_state = run.weights.select(run, model_state)
             check_finite_weights(run, model_state, what)
         optimizer_state = self.optimizer_state_dict(run.optimizer)
         if self.is_main_process:
-            write_model(run, folder, model_state)
+            run.weights.write(run, folder, model_state)
             torch.save(optimizer_state, folder / "optimizer.pt")
 
     def checkpoint_files(self, folder: Path) -> tuple[str, ...]:
         """The files and folders :meth:`save_checkpoint_files` wrote into ``folder`` (checked before resuming)."""
-        from .layout import WEIGHTS, WEIGHTS_INDEX
-
-        return (WEIGHTS_INDEX if (folder / WEIGHTS_INDEX).is_file() else WEIGHTS, "optimizer.pt")
+        return (*self.run.weights.files(folder), "optimizer.pt")
 
     def load_optimizer(self, optimizer: torch.optim.Optimizer, folder: Path) -> None:
         """Restore the optimizer state a checkpoint holds; a file that does not fit is a CheckpointError naming it."""

@@ -256,12 +256,13 @@ def _logged_values(run: Run) -> list[dict[str, Any]]:
 def assert_resume_is_exact(steps: int, save_at: int, output_dir: str | Path, *, plugins: list[str] = (),
                            train: dict[str, Any] | None = None, model_config: dict[str, Any] | None = None,
                            objects: list[Any] = (), make_model: Callable[[int], torch.nn.Module] | None = None,
-                           **run_kwargs: Any) -> ResumeCheck:
+                           resumed_model_seed: int = 1, **run_kwargs: Any) -> ResumeCheck:
     """Assert that stopping at a checkpoint and resuming changes nothing.
 
     Trains :func:`tiny_model` ``steps`` steps straight, with a checkpoint every ``save_at`` steps
     (``output_dir/straight``), then a differently initialised model resumed from
-    ``checkpoint-<save_at>`` to ``steps`` (``output_dir/resumed``), and asserts, with
+    ``checkpoint-<save_at>`` to ``steps`` (``output_dir/resumed``; ``resumed_model_seed=0`` builds
+    the same model, for checkpoints that hold only part of it, such as an adapter), and asserts, with
     ``torch.equal`` (:func:`assert_same_state`):
 
     * the resumed run started from the optimizer state the checkpoint holds;
@@ -285,7 +286,8 @@ def assert_resume_is_exact(steps: int, save_at: int, output_dir: str | Path, *, 
     straight = run_steps(steps, plugins, objects=[*objects, _OptimizerAtStart()], output_dir=output_dir / "straight",
                          train=train, model=make_model(0), **run_kwargs)
     resumed = run_steps(steps, plugins, objects=[*objects, at_start], output_dir=output_dir / "resumed",
-                        train={**train, "resume_from_checkpoint": str(checkpoint)}, model=make_model(1), **run_kwargs)
+                        train={**train, "resume_from_checkpoint": str(checkpoint)}, model=make_model(resumed_model_seed),
+                        **run_kwargs)
     assert straight.state.global_step == resumed.state.global_step == steps
     assert_same_state(at_start.state, torch.load(checkpoint / "optimizer.pt", weights_only=True),
                       path="optimizer state at the resume")

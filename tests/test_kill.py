@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -23,7 +24,7 @@ from engine.layout import FINAL_MARKER, FINAL_TMP
 
 STEPS = 40
 KILLS = 10  # half at a random moment, half while a checkpoint is being written or deleted
-RUN_FILE = """
+RUN_FILE = """{adapter}
 [train]
 model = "tiny-llama"
 output_dir = "{out}"
@@ -65,7 +66,19 @@ def _in_flight(out):
     return sorted(p.name for p in out.iterdir() if p.name.startswith((".tmp-", ".deleting-")))
 
 
-def test_sigkill_at_random_moments_then_resume_finishes_like_an_uninterrupted_run(tmp_path):
+# the same with a LoRA adapter (plugins/peft): its checkpoints hold the adapter, resumed the same way.
+# Opt-in: one more kill series costs minutes of a suite that has none to spare
+ADAPTER = """plugins = ["peft"]
+[peft]
+r = 4
+target_modules = "all-linear"
+"""
+WITH_ADAPTER = pytest.param("adapter_model.safetensors", marks=pytest.mark.skipif(
+    os.environ.get("ENGINE_KILL_TEST_LORA") != "1", reason="set ENGINE_KILL_TEST_LORA=1 to run it with LoRA"))
+
+
+@pytest.mark.parametrize("weights", ["model.safetensors", WITH_ADAPTER])
+def test_sigkill_at_random_moments_then_resume_finishes_like_an_uninterrupted_run(tmp_path, weights):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(f"record {i}: the quick brown fox {i % 7} jumps over {i % 13} dogs"
                                 for i in range(400)))
@@ -73,7 +86,8 @@ def test_sigkill_at_random_moments_then_resume_finishes_like_an_uninterrupted_ru
     files = {}
     for out in (reference, killed):
         files[out] = tmp_path / f"{out.name}.toml"
-        files[out].write_text(RUN_FILE.format(out=out, steps=STEPS, corpus=corpus))
+        files[out].write_text(RUN_FILE.format(out=out, steps=STEPS, corpus=corpus,
+                                              adapter=ADAPTER if weights != "model.safetensors" else ""))
     with open(tmp_path / "reference.log", "w") as log:
         assert _start(files[reference], log).wait(timeout=600) == 0
 
@@ -131,8 +145,8 @@ def test_sigkill_at_random_moments_then_resume_finishes_like_an_uninterrupted_ru
     verify_manifest(killed, FINAL_MARKER)
     assert _losses(killed) == _losses(reference)
     assert [step for step, _ in _losses(killed)] == list(range(1, STEPS + 1))
-    expected = load_file(reference / "model.safetensors")
-    actual = load_file(killed / "model.safetensors")
+    expected = load_file(reference / weights)
+    actual = load_file(killed / weights)
     assert expected.keys() == actual.keys()
     for name, tensor in expected.items():
         assert torch.equal(actual[name], tensor), name

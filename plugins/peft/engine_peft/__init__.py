@@ -1,0 +1,274 @@
+"""``peft``: LoRA, DoRA and IA3 adapters (peft), and QLoRA (a 4-bit or 8-bit bitsandbytes base).
+
+    plugins = ["peft"]
+
+    [peft]
+    r = 16
+    lora_alpha = 32
+    target_modules = "all-linear"      # a list of module names, a regex, or "all-linear"
+    quantize = "4bit"                  # QLoRA: train.model must be a saved model folder
+    merge = true                       # also write output_dir/merged/
+
+``patch_model`` wraps the model with ``peft.get_peft_model`` (a model given to
+``engine.Run(model=...)`` that is already a ``PeftModel`` is taken as it is), and the run's
+:class:`engine.ModelWeights` becomes :class:`~engine_peft.weights.AdapterWeights`: checkpoints
+hold the adapter, a fingerprint of its base and the usual optimizer, scheduler, RNG and plugin
+state; the final output_dir is an adapter folder that ``AutoPeftModelForCausalLM`` loads, with the
+base saved in ``output_dir/base`` when it was built from a config. The wrapping is not undone
+when training ends: ``run.model`` stays the trained ``PeftModel``.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+import engine
+from engine import ConfigError, hookimpl, option
+
+from .weights import AdapterWeights, base_fingerprint
+
+__version__ = "0.1.0"
+
+logger = logging.getLogger("engine.peft")
+METHODS = ("lora", "dora", "ia3")
+# options only LoRA and DoRA take (IA3 has no rank, scaling or dropout)
+LORA_ONLY = ("r", "lora_alpha", "lora_dropout", "bias", "use_rslora", "use_dora", "init_lora_weights",
+             "layers_to_transform")
+# options that build an adapter: a PeftModel given to Run(model=...) has its own config
+ADAPTER_OPTIONS = (*LORA_ONLY, "method", "target_modules", "exclude_modules", "modules_to_save",
+                   "layers_to_transform", "feedforward_modules", "quantize")
+# optimizers that only make sense on full weight matrices, which an adapter run freezes
+FULL_MATRIX_OPTIMIZERS = "GaLore and APOLLO project the gradients of the weight matrices optim_target_modules selects"
+
+
+@dataclass
+class PeftOptions:
+    """``[peft]``: peft's own option names; unset values are peft's defaults."""
+
+    method: Literal["lora", "dora", "ia3"] = option("lora", help=(
+        "adapter type: lora (LoraConfig), dora (LoraConfig with use_dora = true) or ia3 (IA3Config)"))
+    r: int = option(8, min=1, help="LoRA rank")
+    lora_alpha: float = option(8.0, min=0, help="LoRA scaling numerator: the update is scaled by lora_alpha / r")
+    lora_dropout: float = option(0.0, min=0, below=1, help="dropout on the LoRA branch's input")
+    target_modules: list[str] | str | None = option(None, help=(
+        "modules to adapt: a list of names (a name matches a module whose path ends with it), a regex "
+        "(matched against the full module path) or 'all-linear'; unset: peft's default for the model type"))
+    exclude_modules: list[str] | str | None = option(None, help="modules never adapted (names or a regex)")
+    modules_to_save: list[str] = option(default_factory=list, help=(
+        "modules trained in full and saved with the adapter (e.g. lm_head, embed_tokens for new tokens)"))
+    bias: Literal["none", "all", "lora_only"] = option("none", help="which biases train (and are saved with it)")
+    use_rslora: bool = option(False, help="rank-stabilized LoRA: scale by lora_alpha / sqrt(r)")
+    use_dora: bool = option(False, help="weight-decomposed LoRA (DoRA); method = 'dora' sets it")
+    init_lora_weights: bool | Literal["gaussian", "pissa", "olora", "orthogonal"] = option(True, help=(
+        "LoRA initialisation: true (B = 0, A Kaiming), false (random B: not an identity at start), "
+        "gaussian, pissa, olora, orthogonal"))
+    layers_to_transform: list[int] | None = option(None, help="LoRA: adapt only these layer indices")
+    feedforward_modules: list[str] | str | None = option(None, help=(
+        "IA3: the target modules whose input (not output) is scaled; unset: peft's default"))
+    quantize: Literal["4bit", "8bit"] | None = option(None, help=(
+        "QLoRA: load the base quantized by bitsandbytes (train.model must be a saved model folder)"))
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = option("nf4", help="4-bit data type")
+    bnb_4bit_use_double_quant: bool = option(True, help="quantize the 4-bit quantization constants too")
+    bnb_4bit_compute_dtype: Literal["float32", "bfloat16", "float16"] = option("bfloat16", help=(
+        "dtype of the 4-bit layers' matmuls"))
+    merge: bool = option(False, help=(
+        "also write the merged full model (merge_and_unload) to output_dir/merged, loadable by "
+        "AutoModelForCausalLM; refused with quantize"))
+
+
+def _options(run: Any) -> PeftOptions:
+    return run.config.section("peft")
+
+
+def _require_peft() -> None:
+    engine.require("peft", "peft", feature="plugin peft", extra="peft")
+
+
+def is_peft_model(model: Any) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def peft_config(options: PeftOptions) -> Any:
+    """The peft config the options describe (peft's own validation as a ConfigError naming the section)."""
+    import peft
+
+    common = {"target_modules": options.target_modules, "exclude_modules": options.exclude_modules,
+              "modules_to_save": options.modules_to_save or None, "task_type": "CAUSAL_LM"}
+    try:
+        if options.method == "ia3":
+            return peft.IA3Config(**common, feedforward_modules=options.feedforward_modules)
+        return peft.LoraConfig(**common, layers_to_transform=options.layers_to_transform, r=options.r,
+                               lora_alpha=options.lora_alpha,
+                               lora_dropout=options.lora_dropout, bias=options.bias, use_rslora=options.use_rslora,
+                               use_dora=options.use_dora or options.method == "dora",
+                               init_lora_weights=options.init_lora_weights)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"peft: peft refuses this {options.method} config: {exc}") from None
+
+
+def _changed_options(options: PeftOptions, names: tuple[str, ...]) -> list[str]:
+    defaults = PeftOptions()
+    return [name for name in names if getattr(options, name) != getattr(defaults, name)]
+
+
+def wrap(model: torch.nn.Module, options: PeftOptions) -> Any:
+    """``get_peft_model``; target modules that match nothing are refused listing the model's modules."""
+    import peft
+
+    config = peft_config(options)
+    try:
+        with warnings.catch_warnings():  # peft asks transformers' deprecated is_gradient_checkpointing
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            return peft.get_peft_model(model, config)
+    except ValueError as exc:  # NoMatchingPeftModuleError is a ValueError
+        if "not found in the base model" in str(exc) or "No modules were targeted" in str(exc):
+            names = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d))
+                            or type(module).__name__ in ("Conv1D", "Linear4bit", "Linear8bitLt")})
+            raise ConfigError(f"peft.target_modules: {options.target_modules!r} matches no module of "
+                              f"{type(model).__name__}; its linear and embedding modules are "
+                              f"{', '.join(names)} (or use 'all-linear')") from None
+        raise ConfigError(f"peft: peft cannot wrap {type(model).__name__}: {exc}") from None
+
+
+def describe(model: Any) -> list[str]:
+    """What the adapter does to ``model``: type, matched modules, trainable parameters (for the plan and the log)."""
+    trainable, total = model.get_nb_trainable_parameters()
+    config = model.peft_config[model.active_adapter]
+    matched = list(getattr(model, "targeted_module_names", []))
+    shown = ", ".join(matched[:8]) + (f", ... ({len(matched)} in all)" if len(matched) > 8 else "")
+    kind = config.peft_type.value + (" (DoRA)" if getattr(config, "use_dora", False) else "")
+    return [f"peft: {kind} adapter on {len(matched)} modules: {shown}",
+            f"peft: trainable parameters {trainable:,} of {total:,} ({100 * trainable / total:.4f} %)"]
+
+
+def _model_source(run: Any) -> Path | None:
+    """The folder the base comes from, when there is one (configure time)."""
+    if run.model is None:
+        spec = run.config.train.model
+    else:  # a given model: the folder it was loaded from, if any
+        config = getattr(run.model, "config", None)
+        if is_peft_model(run.model):
+            config = getattr(run.model.get_base_model(), "config", None)
+        spec = getattr(config, "_name_or_path", "") or ""
+    return Path(spec) if spec and Path(spec).is_dir() else None
+
+
+def _quantization_config(options: PeftOptions) -> Any:
+    import transformers
+
+    if options.quantize == "8bit":
+        return transformers.BitsAndBytesConfig(load_in_8bit=True)
+    return transformers.BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type=options.bnb_4bit_quant_type,
+        bnb_4bit_use_double_quant=options.bnb_4bit_use_double_quant,
+        bnb_4bit_compute_dtype=getattr(torch, options.bnb_4bit_compute_dtype))
+
+
+def _check_composition(run: Any, options: PeftOptions) -> None:
+    """Refuse what cannot train an adapter, with the reason."""
+    train = run.config.train
+    from engine.strategy import strategy_name
+
+    strategy = strategy_name(run)
+    if strategy in ("fsdp", "deepspeed"):
+        raise ConfigError(f"plugin peft: strategy {strategy!r} writes its own sharded checkpoints, which do not "
+                          "hold adapters yet; use strategy 'single' or 'ddp'")
+    entry = run.registries["optimizer"].get(train.optim)
+    if entry.takes_target_modules:
+        raise ConfigError(f"train.optim: {train.optim!r} cannot train adapters: {FULL_MATRIX_OPTIMIZERS}, and with "
+                          "peft those are frozen (only the small adapter matrices train); use adamw_torch")
+    if options.method == "ia3":
+        changed = _changed_options(options, LORA_ONLY)
+        if changed:
+            raise ConfigError(f"peft.{changed[0]}: a LoRA option; method = 'ia3' takes target_modules, "
+                              "exclude_modules, feedforward_modules, modules_to_save")
+    elif options.feedforward_modules is not None:
+        raise ConfigError(f"peft.feedforward_modules: an IA3 option; method is {options.method!r}")
+    if options.quantize:
+        if options.merge:
+            raise ConfigError("peft.merge: a quantized base cannot be merged exactly (the merged weights would be "
+                              "re-quantized); train with quantize, then merge the adapter into the full-precision "
+                              "base with PeftModel.from_pretrained(base, output_dir).merge_and_unload()")
+        if run.model is not None:
+            raise ConfigError("peft.quantize: the model was given to Run(model=...) already built; load it quantized "
+                              "yourself (from_pretrained(..., quantization_config=BitsAndBytesConfig(...))) or set "
+                              "train.model to its folder")
+        if run.weights.source is None:
+            raise ConfigError(f"peft.quantize: train.model = {train.model!r} is built from a config with random "
+                              "weights, so there are no weights to quantize; name a saved model folder "
+                              "(train.model = 'path/to/model'), or drop quantize")
+        engine.require("bitsandbytes", "bitsandbytes", feature="peft.quantize", extra="peft")
+
+
+def _plan_notes(run: Any, options: PeftOptions) -> list[str]:
+    """Build the adapter on a model without weights (meta device): it refuses target modules that
+    match nothing before anything loads, and says what will train."""
+    import transformers
+
+    if run.model is not None:
+        config = getattr(run.model, "config", None)
+    else:
+        from engine.models import model_config
+
+        config = model_config(run.config.train)
+    if config is None:
+        return ["peft: the model comes from a factory; its adapter is described when it is built"]
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    notes = describe(wrap(model, options))
+    if options.quantize:
+        notes.append(f"peft: base loaded {options.quantize} by bitsandbytes (QLoRA), prepared for k-bit training")
+    return notes
+
+
+@hookimpl
+def plugin_options():
+    return PeftOptions
+
+
+@hookimpl
+def configure(run):
+    _require_peft()
+    options = _options(run)
+    run.weights = AdapterWeights(options.merge, _model_source(run))
+    if run.model is not None and is_peft_model(run.model):
+        changed = _changed_options(options, ADAPTER_OPTIONS)
+        if changed:
+            raise ConfigError(f"peft.{changed[0]}: the model given to Run(model=...) is already a PeftModel with its "
+                              "own adapter config; remove the adapter options from [peft]")
+        run.plan_notes += describe(run.model)
+        return
+    _check_composition(run, options)
+    if options.quantize:
+        run.model_load_kwargs["quantization_config"] = _quantization_config(options)
+    run.plan_notes += _plan_notes(run, options)
+
+
+@hookimpl(tryfirst=True)
+def patch_model(run, model):
+    """Wrap the model first, so the other patches (NEFTune, activation checkpointing) see the base
+    modules the adapter sits on. With frozen embeddings, reentrant activation checkpointing needs
+    grads at the blocks' inputs: transformers' activation_checkpointing_enable (the builtin patch)
+    turns them on for models that take input_ids."""
+    import peft
+
+    options = _options(run)
+    if not is_peft_model(model):
+        if options.quantize:
+            model = peft.prepare_model_for_kbit_training(
+                model, use_gradient_checkpointing=bool(run.config.train.activation_checkpointing))
+        model = wrap(model, options)
+    run.model = model
+    source = run.weights.source
+    run.weights.fingerprint = base_fingerprint(model, str(source) if source else run.config.train.model)
+    for line in describe(model):
+        logger.info(line)
