@@ -20,6 +20,8 @@ from engine.testing import (
     assert_one_line_error,
     assert_resume_is_exact,
     assert_same_state,
+    launch_cases,
+    max_difference,
     run_steps,
     tiny_dataset,
     tiny_model,
@@ -274,3 +276,20 @@ def test_neftune_activation_checkpointing_and_lomo_compose_with_adapters(tmp_pat
     lomo = runs["lomo"].model.get_base_model().model.layers[0].self_attn.q_proj
     assert torch.equal(lomo.base_layer.weight, tiny_model(seed=0).model.layers[0].self_attn.q_proj.weight)
     assert lomo.lora_B.default.weight.abs().sum() > 0
+
+
+def test_under_ddp_two_processes_train_the_adapter_of_one_with_twice_the_batch(tmp_path):
+    """Only the adapter trains (the base has no gradients to reduce): two processes with 4 rows
+    each update it as one process with 8, and leave the base as it was."""
+    sgd = {"optim": "sgd", "optim_args": "momentum=0.9", "learning_rate": 0.05, "lr_scheduler_type": "linear"}
+    trained = launch_cases([{"name": "lora", "steps": 4, "plugins": ["ddp", "peft"], "sections": {"peft": LORA},
+                             "train": {**sgd, "per_device_train_batch_size": 4}}], tmp_path)["lora"]
+    one = run_steps(4, plugins=["peft"], sections={"peft": LORA}, model=tiny_model(seed=0),
+                    dataset=tiny_dataset(size=64), train={**sgd, "per_device_train_batch_size": 8}).model
+    adapter = {name: value for name, value in one.named_parameters() if value.requires_grad}
+    assert adapter and all("lora_" in name for name in adapter)
+    assert max_difference(trained, one) < 1e-6
+    base = tiny_model(seed=0).state_dict()
+    for name, value in trained.items():
+        if "lora_" not in name:
+            assert torch.equal(value, base[name.replace("base_model.model.", "").replace(".base_layer", "")]), name
