@@ -660,13 +660,22 @@ def save(run: Run) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     strategy.barrier()
+    only_model = run.config.train.save_only_model
     with _writing(final.name, run.output_dir, tmp):
-        torch.save(_rng_state(), tmp / _rng_file(strategy.rank))
-        strategy.save_checkpoint_files(run, tmp, final.name)
+        if only_model:  # the weights for load_best_model_at_end and from_pretrained; nothing to resume with
+            model_state = strategy.model_state_dict(run.model)
+            if strategy.is_main_process:
+                model_state = run.weights.select(run, model_state)
+                check_finite_weights(run, model_state, final.name)
+                run.weights.write(run, tmp, model_state)
+        else:
+            torch.save(_rng_state(), tmp / _rng_file(strategy.rank))
+            strategy.save_checkpoint_files(run, tmp, final.name)
         strategy.barrier()
         if strategy.is_main_process:
-            torch.save(run.scheduler.state_dict(), tmp / "scheduler.pt")
-            torch.save({"strategy": strategy.state_dict(), "plugins": plugin_states}, tmp / "engine_state.pt")
+            if not only_model:
+                torch.save(run.scheduler.state_dict(), tmp / "scheduler.pt")
+                torch.save({"strategy": strategy.state_dict(), "plugins": plugin_states}, tmp / "engine_state.pt")
             trainer_state = {**dataclasses.asdict(state), "plugins": list(run.config.plugins),
                              "strategy": strategy.name, "checkpoint_format": strategy.checkpoint_format,
                              "world_size": strategy.world_size,
@@ -760,6 +769,11 @@ def validate(run: Run, path: Path) -> None:
     """Refuse a folder that is not a complete checkpoint of this run, naming what is wrong."""
     if not path.is_dir():
         raise CheckpointError(f"resume_from_checkpoint: {path} is not a folder")
+    if (path / "trainer_state.json").is_file() and \
+            _read_trainer_state(path)["config"].get("train", {}).get("save_only_model"):
+        raise CheckpointError(f"resume_from_checkpoint: can't resume from a save_only_model checkpoint: {path} holds "
+                              "the model but no optimizer, scheduler or RNG state (train.save_only_model = true); "
+                              "start a fresh run from its weights with train.model = its path")
     strategy_files = run.strategy.checkpoint_files(path)
     required = (MARKER, *REQUIRED, *strategy_files)
     missing = [name for name in required if not (path / name).exists()]

@@ -141,6 +141,9 @@ class TrainConfig:
     enable_jit_checkpoint: bool = option(False, help=(
         "a SIGTERM saves a checkpoint at the end of the current step and stops the run (exit status 143), "
         "resumable with resume_from_checkpoint = true"))
+    save_only_model: bool = option(False, help=(
+        "checkpoints hold the model and trainer_state.json only (no optimizer, scheduler or RNG state): smaller, "
+        "and load_best_model_at_end still works, but they cannot be resumed"))
     save_final_model: bool = option(True, help=(
         "save the final model (HF layout) and tokenizer to output_dir when training ends"))
     resume_from_checkpoint: bool | str | None = option(None, help=(

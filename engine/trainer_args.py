@@ -558,7 +558,7 @@ FIELDS: dict[str, Answer] = _named({
     "eval_accumulation_steps": not_yet("predictions move to the CPU batch by batch"),
     "include_for_metrics": not_yet("compute_metrics gets predictions and labels"),
     "batch_eval_metrics": not_yet("compute_metrics is called once, on the whole evaluation"),
-    "save_only_model": not_yet("checkpoints always hold the optimizer, scheduler and RNG states (they resume)"),
+    "save_only_model": accepted(note="such a checkpoint is refused by resume_from_checkpoint"),
     "save_strategy": accepted(note="'best' has no counterpart yet"),
     "save_steps": accepted(convert=_steps_or_ratio, note=_STEP_NOTE),
     "save_on_each_node": builtin("a checkpoint is written once per run (its metadata by the main process), "

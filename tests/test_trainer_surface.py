@@ -187,6 +187,40 @@ def test_logging_no_determinism_tf32_and_loader_options(tmp_path):
         Run({"train": {"dataloader_prefetch_factor": 2}})
 
 
+STATE_FILES = ("optimizer.pt", "scheduler.pt", "rng_state.pth", "rng_state.pt", "engine_state.pt", "scaler.pt")
+
+
+def test_save_only_model_checkpoints_load_the_best_model_but_do_not_resume(tmp_path):
+    from engine.checkpoint import load_weights
+    from engine.errors import CheckpointError
+
+    train = {"save_only_model": True, "save_strategy": "steps", "save_steps": 2, "eval_strategy": "steps",
+             "eval_steps": 2, "load_best_model_at_end": True,
+             "metric_for_best_model": "loss", "greater_is_better": True}  # the best: the first, not the last
+    run = run_steps(6, output_dir=tmp_path / "engine", train=train, eval_dataset=tiny_dataset(8, seed=1))
+    trainer = transformers.Trainer(
+        model=tiny_model(), train_dataset=tiny_dataset(), data_collator=DataCollator(0),
+        args=transformers.TrainingArguments(output_dir=str(tmp_path / "trainer"), use_cpu=True, report_to="none",
+                                            remove_unused_columns=False, disable_tqdm=True, max_steps=2,
+                                            save_steps=2, per_device_train_batch_size=4, save_only_model=True))
+    trainer.train()
+    theirs = {p.name for p in (tmp_path / "trainer" / "checkpoint-2").iterdir()}
+    checkpoints = sorted((tmp_path / "engine").glob("checkpoint-*"))
+    assert [p.name for p in checkpoints] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    for folder in checkpoints:
+        ours = {p.name for p in folder.iterdir()}
+        assert {"model.safetensors", "config.json", "trainer_state.json"} <= ours & theirs
+        assert not (ours | theirs) & set(STATE_FILES), ours | theirs  # what resuming would need
+    best = run.state.best_model_checkpoint
+    assert best == str(checkpoints[0])
+    expected = tiny_model(seed=3)
+    load_weights(expected, best)
+    assert same_weights(run.model, expected) == []  # load_best_model_at_end loaded it
+    with pytest.raises(CheckpointError, match="can't resume from a save_only_model checkpoint"):
+        run_steps(8, output_dir=tmp_path / "engine", train={**train, "resume_from_checkpoint": True},
+                  eval_dataset=tiny_dataset(8, seed=1))
+
+
 JIT_RUN = """
 [train]
 model = "tiny-llama"
@@ -256,8 +290,8 @@ def test_sigterm_with_enable_jit_checkpoint_saves_and_resumes_like_an_uninterrup
 
 def test_a_trainingarguments_name_that_is_no_train_key_gets_the_tables_answer():
     with pytest.raises(ConfigError) as refused:
-        Run({"train": {"save_only_model": True}})
-    assert str(refused.value).startswith("train.save_only_model: not a [train] key; TrainingArguments.save_only_model: "
+        Run({"train": {"use_cache": False}})
+    assert str(refused.value).startswith("train.use_cache: not a [train] key; TrainingArguments.use_cache: "
                                          "no counterpart yet")
     assert "did you mean" not in str(refused.value)
     with pytest.raises(ConfigError, match="train.neftune_noise_alpha: not a \\[train\\] key; .*provided by plugin "
