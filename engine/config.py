@@ -152,6 +152,9 @@ class TrainConfig:
     overwrite_output_dir: bool = option(False, help=(
         "a fresh run into an output_dir holding another run's checkpoints or final model removes "
         "them first (only what the engine wrote) instead of refusing to start"))
+    ignore_data_skip: bool = option(False, help=(
+        "on resume: start the resumed epoch's data from its beginning instead of skipping the batches already "
+        "trained on (faster to start, not the uninterrupted run's data)"))
     reset_optimizer: bool = option(False, help=(
         "on resume: restore weights, progress and RNG but build the optimizer and scheduler fresh, "
         "the schedule continuing at the resumed step (to change train.optim)"))

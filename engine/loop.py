@@ -188,7 +188,10 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
         for epoch in itertools.count(first_epoch) if num_epochs is None else range(first_epoch, num_epochs):
             if state.global_step >= state.max_steps:
                 break
-            done_in_epoch = state.global_step - epoch * steps_per_epoch if steps_per_epoch else 0
+            # steps of this epoch trained before a resume: their batches are skipped, unless
+            # ignore_data_skip (as Trainer: the resumed epoch's data from its start)
+            done_in_epoch = state.global_step - epoch * steps_per_epoch \
+                if steps_per_epoch and not train_cfg.ignore_data_skip else 0
             if sampler is not None:
                 sampler.set_epoch(epoch, done_in_epoch * accumulation * train_cfg.per_device_train_batch_size)
             run.train_loader.generator.manual_seed(train_cfg.seed + epoch)  # worker seeds per epoch

@@ -576,7 +576,7 @@ FIELDS: dict[str, Answer] = _named({
     "load_best_model_at_end": accepted(),
     "metric_for_best_model": accepted(),
     "greater_is_better": accepted(),
-    "ignore_data_skip": not_yet("a resumed run always continues the data where it stopped"),
+    "ignore_data_skip": accepted(),
     "restore_callback_states_from_checkpoint": accepted(),
     "full_determinism": accepted(),
     "seed": accepted(),

@@ -221,6 +221,37 @@ def test_save_only_model_checkpoints_load_the_best_model_but_do_not_resume(tmp_p
                   eval_dataset=tiny_dataset(8, seed=1))
 
 
+def test_ignore_data_skip_resumes_with_the_epochs_data_from_its_start_as_trainer(tmp_path):
+    shared = dict(per_device_train_batch_size=8, learning_rate=1e-3, data_seed=5, logging_steps=1,
+                  save_strategy="steps", save_steps=3)
+    resumed = dict(max_steps=10, ignore_data_skip=True)
+    orders = {}
+    for name in ("trainer", "engine"):
+        for part in ("first", "resumed"):
+            model = tiny_model()
+            orders[name, part] = _first_tokens(model)
+            values = {**shared, **(resumed if part == "resumed" else {"max_steps": 3})}
+            folder = str(tmp_path / name)
+            if name == "trainer":
+                trainer = transformers.Trainer(
+                    model=model, train_dataset=tiny_dataset(), data_collator=DataCollator(0),
+                    args=transformers.TrainingArguments(output_dir=folder, use_cpu=True, report_to="none",
+                                                        remove_unused_columns=False, disable_tqdm=True, **values))
+                trainer.train(resume_from_checkpoint=part == "resumed" or None)
+                state = trainer.state
+            else:
+                run = Run({"train": {"output_dir": folder, "disable_tqdm": True,
+                                     "resume_from_checkpoint": part == "resumed", **values}},
+                          model=model, train_dataset=tiny_dataset(), data_collator=DataCollator(0))
+                run.train()
+                state = run.state
+        assert state.global_step == 10 and state.epoch == pytest.approx(7 / 8)  # 7 batches of the 8 in the epoch
+    assert orders["engine", "first"] == orders["trainer", "first"]
+    assert orders["engine", "resumed"] == orders["trainer", "resumed"] == orders["engine", "first"] + \
+        orders["engine", "resumed"][24:]  # the epoch again from its first batch: 7 batches, not 7 after the 3
+    assert len(orders["engine", "resumed"]) == 7 * 8
+
+
 JIT_RUN = """
 [train]
 model = "tiny-llama"

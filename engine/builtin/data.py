@@ -40,4 +40,7 @@ def load_checkpoint_state(run, state):
     from engine.data import ResumableStream
 
     if "stream" in state and isinstance(run.train_dataset, ResumableStream):
-        run.train_dataset.load_state_dict(state["stream"])
+        stream = dict(state["stream"])
+        if run.config.train.ignore_data_skip:  # the resumed pass from its start, none of it skipped
+            stream["position"] = 0
+        run.train_dataset.load_state_dict(stream)
