@@ -183,6 +183,9 @@ class TrainConfig:
     generation_config: str | dict[str, Any] | None = option(None, help=(
         "predict_with_generate: a folder holding generation_config.json, or a table of GenerationConfig values, "
         "replacing the model's generation config"))
+    torch_empty_cache_steps: int | None = option(None, min=1, help=(
+        "empty the accelerator's memory cache (torch.accelerator.empty_cache) in steps 1, N+1, 2N+1 ...: less "
+        "peak memory, slower steps (as Trainer's; nothing on the CPU)"))
     dataloader_num_workers: int = option(0, min=0, help="DataLoader worker processes")
     dataloader_drop_last: bool = option(False, help="drop the last incomplete batch")
     dataloader_pin_memory: bool = option(True, help="page-locked batches when training on a GPU")

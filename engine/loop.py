@@ -170,6 +170,7 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
     distributed = strategy.world_size > 1
     non_padding = train_cfg.include_num_input_tokens_seen == "non_padding"  # a tensor sum: no host sync
     skipped_in_a_row = 0
+    empty_cache_every = train_cfg.torch_empty_cache_steps
 
     lr = float(optimizer.param_groups[0]["lr"])
     sigterm = _Sigterm() if train_cfg.enable_jit_checkpoint else None
@@ -216,6 +217,8 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
 
                 lr = float(optimizer.param_groups[0]["lr"])  # a tensor for some optimizers (torchao)
                 out = training_step(run=run, batches=window, num_items_in_batch=num_items)
+                if empty_cache_every and state.global_step % empty_cache_every == 0:  # Trainer's steps 0, N, 2N ...
+                    empty_device_cache()
                 scheduler_step()
                 state.global_step += 1
                 step_in_epoch += 1
@@ -426,6 +429,14 @@ def _host_values(values: tuple[Any, ...]) -> list[float | None]:
         for i, value in zip(tensors, torch.stack([values[i].float() for i in tensors]).tolist()):
             out[i] = value
     return out
+
+
+def empty_device_cache() -> None:
+    """Return the accelerator's cached, unused memory to it (torch_empty_cache_steps); nothing on the CPU."""
+    if torch.accelerator.is_available():
+        torch.accelerator.empty_cache()
+        if torch.backends.mps.is_available() and hasattr(torch.mps, "clear_graph_cache"):
+            torch.mps.clear_graph_cache()  # as Trainer
 
 
 def _note_skipped(run: Run, out: Any, in_a_row: int) -> None:

@@ -527,7 +527,7 @@ FIELDS: dict[str, Answer] = _named({
     "use_cache": not_yet("the model's config keeps its own use_cache"),
     "neftune_noise_alpha": plugin("neftune", "noise_alpha", convert=_enable_with_value,
                                   note="a value enables the plugin"),
-    "torch_empty_cache_steps": not_yet("the engine never empties the allocator's cache"),
+    "torch_empty_cache_steps": accepted(),
     "auto_find_batch_size": not_yet("set per_device_train_batch_size to one that fits"),
     "logging_strategy": accepted(),
     "logging_steps": accepted(convert=_steps_or_ratio, note=_STEP_NOTE),

@@ -149,7 +149,7 @@ def test_defaults_write_only_where_the_engines_default_differs(tmp_path):
     assert 'train.optim = "adamw_torch_fused" (engine default: "adamw_torch")' in report
     assert "not converted" not in report  # nothing set away from Trainer's default
     idle = report.split("no counterpart, at Trainer's default (docs/trainer-arguments.md): ", 1)[1].splitlines()[0]
-    assert {"use_cache", "do_train", "local_rank", "torch_empty_cache_steps"} <= set(idle.split(", "))
+    assert {"use_cache", "do_train", "local_rank", "auto_find_batch_size"} <= set(idle.split(", "))
     text = (tmp_path / "defaults.toml").read_text()
     assert '# model = "path/to/model"' in text and '# train = "data/train.jsonl"' in text
 

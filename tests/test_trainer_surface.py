@@ -128,11 +128,18 @@ def _first_tokens(model):
     return seen
 
 
-def test_logging_evaluation_tokens_and_data_order_as_trainer(tmp_path):
+def test_logging_evaluation_tokens_and_data_order_as_trainer(tmp_path, monkeypatch):
+    import engine.loop
+
     shared = dict(max_steps=12, per_device_train_batch_size=8, per_device_eval_batch_size=8, learning_rate=1e-3,
                   logging_strategy="epoch", eval_strategy="steps", eval_steps=2, eval_delay=4, eval_on_start=True,
-                  include_num_input_tokens_seen="non_padding", data_seed=5, save_strategy="no")
+                  include_num_input_tokens_seen="non_padding", data_seed=5, save_strategy="no",
+                  torch_empty_cache_steps=5)
     data, eval_data = tiny_dataset(ragged=True), tiny_dataset(8, seed=1)
+    emptied = {"trainer": [], "engine": []}  # at which steps each empties the cache (a no-op on this CPU)
+    monkeypatch.setattr(transformers.trainer, "clear_device_cache",
+                        lambda: emptied["trainer"].append(trainer.state.global_step))
+    monkeypatch.setattr(engine.loop, "empty_device_cache", lambda: emptied["engine"].append(run.state.global_step))
     model = tiny_model()
     their_order = _first_tokens(model)
     trainer = transformers.Trainer(
@@ -156,6 +163,7 @@ def test_logging_evaluation_tokens_and_data_order_as_trainer(tmp_path):
     assert [e["num_input_tokens_seen"] for e in theirs if "loss" in e] == [e["num_input_tokens_seen"] for e in ours
                                                                           if "loss" in e]
     assert our_order == their_order and len(our_order) == 12 * 8  # data_seed orders the data, not seed
+    assert emptied["engine"] == emptied["trainer"] == [0, 5, 10]
 
 
 def test_logging_no_determinism_tf32_and_loader_options(tmp_path):
@@ -185,6 +193,8 @@ def test_logging_no_determinism_tf32_and_loader_options(tmp_path):
     assert run.train_loader.multiprocessing_context.get_start_method() == "spawn"
     with pytest.raises(ConfigError, match="train.dataloader_prefetch_factor needs worker processes"):
         Run({"train": {"dataloader_prefetch_factor": 2}})
+    with pytest.raises(ConfigError, match="train.torch_empty_cache_steps"):
+        Run({"train": {"torch_empty_cache_steps": 0}})
 
 
 STATE_FILES = ("optimizer.pt", "scheduler.pt", "rng_state.pth", "rng_state.pt", "engine_state.pt", "scaler.pt")
