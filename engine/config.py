@@ -170,6 +170,10 @@ class TrainConfig:
         "(default: 'loss' when load_best_model_at_end)"))
     greater_is_better: bool | None = option(None, help=(
         "whether a larger metric_for_best_model is better (default: false for *loss, else true)"))
+    label_names: list[str] | None = option(None, help=(
+        "the batch keys holding the labels that evaluation and predict return as label_ids (several: a tuple) "
+        "(default, as Trainer: the model's forward arguments named *label*; start_positions and end_positions "
+        "for question answering)"))
     prediction_loss_only: bool = option(False, help="evaluation returns the loss only (no compute_metrics)")
     compute_metrics: str | None = option(None, help=(
         "'package.module:function' taking an EvalPrediction and returning a dict of floats"))

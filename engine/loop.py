@@ -77,7 +77,7 @@ import math
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -525,6 +525,7 @@ def _evaluate_one(run: Run, dataset: Any, prefix: str, want_predictions: bool) -
     loss_sum = torch.zeros((), dtype=torch.float64)
     weight_sum = torch.zeros((), dtype=torch.float64)
     predictions, label_ids = [], []
+    label_names = run.label_names
     samples = 0
     started = time.perf_counter()
     try:
@@ -556,12 +557,14 @@ def _evaluate_one(run: Run, dataset: Any, prefix: str, want_predictions: bool) -
                     if generation is not None:
                         predictions.append(outputs[-1].cpu())
                     else:
-                        logits = logits_of(outputs[-1]).detach()
+                        logits = _predictions_of(run.model, outputs[-1])
                         if run.preprocess_logits_for_metrics is not None:  # e.g. argmax: keep less per batch
-                            logits = run.preprocess_logits_for_metrics(logits, batch.get("labels"))
-                        predictions.append(logits.cpu() if run.preprocess_logits_for_metrics else logits.float().cpu())
-                    if "labels" in batch:
-                        label_ids.append(batch["labels"].cpu())
+                            logits = run.preprocess_logits_for_metrics(logits, _labels_of(batch, label_names))
+                        predictions.append(_nested(lambda t: t.cpu() if run.preprocess_logits_for_metrics
+                                                   else t.float().cpu(), logits))
+                    labels = _labels_of(batch, label_names)
+                    if labels is not None:
+                        label_ids.append(_nested(lambda t: t.cpu(), labels))
                 on_prediction_step(run=run, step=index, total=total)
     finally:
         if handle is not None:
@@ -576,8 +579,8 @@ def _evaluate_one(run: Run, dataset: Any, prefix: str, want_predictions: bool) -
     }
     if not collect:
         return metrics, None, None
-    all_predictions = _concat_padded(predictions)
-    all_labels = _concat_padded(label_ids) if label_ids else None
+    all_predictions = _concat_nested(predictions)
+    all_labels = _concat_nested(label_ids) if label_ids else None
     if strategy.world_size > 1 and sampler is not None:
         all_predictions, all_labels = _gather_in_order(strategy, all_predictions, all_labels, length)
     if use_metrics:
@@ -617,8 +620,13 @@ def _gather_in_order(strategy: Any, predictions: Any, labels: Any, length: int) 
             out[rows[keep]] = array[keep]
         return out
 
-    gathered_labels = None if labels is None else merged([part[1] for part in parts])
-    return merged([part[0] for part in parts]), gathered_labels
+    def merged_nested(arrays: list[Any]) -> Any:  # a tuple (several outputs or label names): element by element
+        if isinstance(arrays[0], tuple):
+            return tuple(merged([array[i] for array in arrays]) for i in range(len(arrays[0])))
+        return merged(arrays)
+
+    gathered_labels = None if labels is None else merged_nested([part[1] for part in parts])
+    return merged_nested([part[0] for part in parts]), gathered_labels
 
 
 class EvalPrediction(tuple):
@@ -634,6 +642,34 @@ class EvalPrediction(tuple):
     @property
     def label_ids(self) -> Any:
         return self[1]
+
+
+def _predictions_of(model: Any, outputs: Any) -> Any:
+    """The model's logits; for an output without ``logits`` (e.g. question answering's start_logits and
+    end_logits) a tuple of its tensors but the loss and the config's keys_to_ignore_at_inference, as Trainer."""
+    if isinstance(outputs, dict) and outputs.get("logits") is None:
+        ignore = getattr(getattr(model, "config", None), "keys_to_ignore_at_inference", None) or []
+        found = tuple(v.detach() for k, v in outputs.items() if k not in (*ignore, "loss") and torch.is_tensor(v))
+        return found[0] if len(found) == 1 else found
+    return logits_of(outputs).detach()
+
+
+def _labels_of(batch: dict[str, Any], names: list[str]) -> Any:
+    """The batch's labels under train.label_names (a tuple for several names); None unless all are there."""
+    if not names or any(batch.get(name) is None for name in names):
+        return None
+    return batch[names[0]] if len(names) == 1 else tuple(batch[name] for name in names)
+
+
+def _nested(function: Callable[[torch.Tensor], Any], value: Any) -> Any:
+    return tuple(function(v) for v in value) if isinstance(value, tuple) else function(value)
+
+
+def _concat_nested(items: list[Any]) -> Any:
+    """:func:`_concat_padded` of each batch's tensors, or of each element of their tuples (a tuple then)."""
+    if isinstance(items[0], tuple):
+        return tuple(_concat_padded([item[i] for item in items]) for i in range(len(items[0])))
+    return _concat_padded(items)
 
 
 def _concat_padded(tensors: list[torch.Tensor]) -> Any:

@@ -152,6 +152,7 @@ class Run:
         self.train_loader: torch.utils.data.DataLoader | None = None
         self.num_training_steps = 0
         self.label_shift = False
+        self.label_names: list[str] = []  # the batch keys evaluation returns as label_ids
         self.undo_patches: list[Callable[[], None]] = []
         # which weights checkpoints and the final model hold (a plugin may narrow it in configure)
         self.weights = ModelWeights()
@@ -256,6 +257,12 @@ class Run:
         if data.packing == "document":
             data_mod.enable_document_packing(self.model)
         self.label_shift = shifts_labels(self.model)
+        if train.label_names is not None:
+            self.label_names = list(train.label_names)
+        else:  # Trainer's default; a module without label arguments: 'labels', which the engine's loss reads
+            from transformers.utils import find_labels
+
+            self.label_names = find_labels(type(self.model)) or ["labels"]
         vocab_size = getattr(getattr(self.model, "config", None), "vocab_size", None)
         if vocab_size is not None and self.tokenizer is not None and len(self.tokenizer) > vocab_size:
             raise ConfigError(f"the tokenizer has {len(self.tokenizer)} tokens but the model's vocab_size is "

@@ -594,7 +594,7 @@ FIELDS: dict[str, Answer] = _named({
     "dataloader_multiprocessing_context": accepted(),
     "dataloader_in_order": accepted(),
     "remove_unused_columns": not_yet("the engine's data pipeline builds the model's inputs itself"),
-    "label_names": not_yet("the batch's 'labels' are the labels"),
+    "label_names": accepted(),
     "train_sampling_strategy": accepted(note="'random' or 'sequential'; group_by_length and batch_rebalance have "
                                              "no counterpart yet"),
     "length_column_name": not_yet("used by group_by_length / batch_rebalance sampling, which the engine lacks"),

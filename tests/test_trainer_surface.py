@@ -120,6 +120,44 @@ def test_preprocess_logits_for_metrics_as_trainer(tmp_path):
     assert ours["eval_loss"] == pytest.approx(theirs["eval_loss"], abs=1e-5)
 
 
+def test_label_names_of_question_answering_as_trainer(tmp_path):
+    def qa_model():
+        torch.manual_seed(0)
+        return transformers.LlamaForQuestionAnswering(tiny_model().config)
+
+    generator = torch.Generator().manual_seed(4)
+    data = [{"input_ids": row, "start_positions": start, "end_positions": start + 2}
+            for row, start in zip(torch.randint(0, 128, (12, 16), generator=generator),
+                                  torch.randint(0, 13, (12,), generator=generator))]
+
+    def hits(prediction):
+        predictions, labels = prediction
+        if isinstance(labels, tuple):  # Trainer's default label_names: start_positions, end_positions
+            return {"start": float(numpy.mean(predictions[0].argmax(-1) == labels[0])),
+                    "end": float(numpy.mean(predictions[1].argmax(-1) == labels[1])), "sum": int(labels[1].sum())}
+        return {"sum": int(labels.sum())}  # label_names = ["end_positions"]
+
+    for label_names in (None, ["end_positions"]):
+        trainer = transformers.Trainer(
+            model=qa_model(), eval_dataset=data, data_collator=transformers.default_data_collator,
+            compute_metrics=hits,
+            args=transformers.TrainingArguments(output_dir=str(tmp_path / "trainer"), per_device_eval_batch_size=4,
+                                                use_cpu=True, report_to="none", label_names=label_names))
+        theirs = trainer.evaluate()
+        train = {"per_device_eval_batch_size": 4, "output_dir": str(tmp_path / "engine")}
+        run = Run({"train": train if label_names is None else {**train, "label_names": label_names}},
+                  model=qa_model(), train_dataset=data, eval_dataset=data,
+                  data_collator=transformers.default_data_collator, compute_metrics=hits)
+        ours = run.evaluate()
+        compared = ("eval_loss", "eval_start", "eval_end", "eval_sum")
+        assert {k: ours[k] for k in compared if k in theirs} == pytest.approx(
+            {k: theirs[k] for k in compared if k in theirs}, abs=1e-5)
+        assert "eval_sum" in ours and ("eval_start" in ours) == (label_names is None)
+    predicted = run.predict(data)
+    assert numpy.array_equal(predicted.label_ids, numpy.array([int(row["end_positions"]) for row in data]))
+    assert isinstance(predicted.predictions, tuple) and predicted.predictions[0].shape == (12, 16)  # start, end
+
+
 def _first_tokens(model):
     """Records the first token of each training row the model sees: the data order."""
     seen = []

@@ -43,6 +43,8 @@ def compute_loss(run, model, batch, num_items_in_batch):
             return loss * (count_items(labels, run.label_shift) / num_items_in_batch)
     else:
         outputs = model(**{k: v for k, v in batch.items() if k != "labels"})
+    if labels is None and _loss_of(outputs) is not None:  # e.g. question answering's start/end_positions
+        return _loss_of(outputs)
     if labels is None:
         raise ValueError("the batch has no 'labels' and the model returned no loss; "
                          "add labels to the data or a loss plugin")
