@@ -211,6 +211,9 @@ class TrainConfig:
     train_sampling_strategy: Literal["random", "sequential"] = option("random", help=(
         "order of the training examples: a seeded shuffle each epoch, or the dataset's order"))
     disable_tqdm: bool = option(False, help="no console progress bar")
+    skip_memory_metrics: bool = option(True, help=(
+        "false: train/eval/test metrics get Trainer's memory figures ({stage}_mem_cpu_alloc_delta, "
+        "_peaked_delta, and _gpu_ ones on an accelerator; needs psutil; sampling the memory slows the run)"))
     restore_callback_states_from_checkpoint: bool = option(False, help=(
         "on resume: TrainerCallbacks with state (ExportableState, e.g. EarlyStoppingCallback) get it back"))
     log_level: Literal["passive", "debug", "info", "warning", "error", "critical"] = option("passive", help=(

@@ -81,7 +81,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from . import checkpoint, rundir
+from . import checkpoint, memory, rundir
 from .errors import ConfigError, TrainingDiverged, TrainingPreempted
 from .loss import IGNORE_INDEX, count_items, logits_of
 from .state import EpochSampler, PredictionOutput
@@ -128,6 +128,7 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
     if resume_from is not None:
         checkpoint.load(run, resume_from)
     claim.start(run)
+    tracker = memory.track(run, "train")
     logged = _Interval(run)
 
     def evaluate_now() -> None:
@@ -273,6 +274,7 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
             "train_steps_per_second": round(steps / runtime, 3) if runtime else 0.0,
             "train_loss": logged.mean_loss,
         }
+        memory.finish(run, tracker, summary)
         if main:
             run.isolated_hooks.call("log_metrics", metrics=summary, step=state.global_step)
         hook.on_eval_mode(run=run)
@@ -284,6 +286,7 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
         status = "success"
         return summary
     finally:
+        memory.finish(run, tracker)  # a failed run: the watcher stops
         if sigterm is not None:
             sigterm.restore()
         run.remove_patches()
@@ -461,21 +464,32 @@ def evaluate(run: Run, dataset: Any = None, prefix: str = "eval", report: bool =
     if dataset is None:
         raise ConfigError("no evaluation data: set data.eval or data.eval_split, or pass eval_dataset")
     metrics: dict[str, float] = {}
-    run.hook.on_eval_mode(run=run)
-    parts = dataset.items() if isinstance(dataset, dict) else [(None, dataset)]
-    for name, part in parts:
-        part_metrics, _, _ = _evaluate_one(run, part, f"{prefix}_{name}" if name else prefix,
-                                           want_predictions=False)
-        metrics.update(part_metrics)
-    return _report(run, metrics) if report else {**metrics, "epoch": round(run.state.epoch, 4)}
+    tracker = memory.track(run, "eval")  # None during training, as Trainer
+    try:
+        run.hook.on_eval_mode(run=run)
+        parts = dataset.items() if isinstance(dataset, dict) else [(None, dataset)]
+        for name, part in parts:
+            part_metrics, _, _ = _evaluate_one(run, part, f"{prefix}_{name}" if name else prefix,
+                                               want_predictions=False)
+            metrics.update(part_metrics)
+        metrics = _report(run, metrics) if report else {**metrics, "epoch": round(run.state.epoch, 4)}
+    finally:
+        memory.finish(run, tracker, metrics)  # returned, not logged, as Trainer
+    return metrics
 
 
 def predict(run: Run, dataset: Any, prefix: str = "test") -> Any:
     """Logits, labels and metrics over ``dataset`` (see :meth:`Run.predict`)."""
 
-    run.hook.on_eval_mode(run=run)
-    metrics, predictions, label_ids = _evaluate_one(run, dataset, prefix, want_predictions=True)
-    return PredictionOutput(predictions, label_ids, _report(run, metrics, is_evaluation=False))
+    tracker = memory.track(run, "test")
+    metrics: dict[str, float] = {}
+    try:
+        run.hook.on_eval_mode(run=run)
+        measured, predictions, label_ids = _evaluate_one(run, dataset, prefix, want_predictions=True)
+        metrics.update(_report(run, measured, is_evaluation=False))
+    finally:
+        memory.finish(run, tracker, metrics)  # returned, not logged, as Trainer
+    return PredictionOutput(predictions, label_ids, metrics)
 
 
 def _report(run: Run, metrics: dict[str, float], is_evaluation: bool = True) -> dict[str, float]:

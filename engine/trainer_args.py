@@ -617,7 +617,7 @@ FIELDS: dict[str, Answer] = _named({
                              "a scheduler section is dropped (the engine's scheduler drives the learning rate)"),
     "debug": refused("underflow_overflow: the engine stops on a non-finite loss, gradient norm or weight instead "
                      "(exit status 3); tpu_metrics_debug: no TPU"),
-    "skip_memory_metrics": not_yet("no memory figures in the metrics (Trainer's default)"),
+    "skip_memory_metrics": accepted(note="Trainer's init_mem_* and before_init_mem_* figures are not reported"),
     "do_train": refused("a flag for training scripts, not used by Trainer: run `engine train RUN.toml`"),
     "do_eval": refused("a flag for training scripts, not used by Trainer: run `engine evaluate RUN.toml`, or "
                        "set train.eval_strategy"),

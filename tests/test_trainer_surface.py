@@ -204,6 +204,45 @@ def test_logging_evaluation_tokens_and_data_order_as_trainer(tmp_path, monkeypat
     assert emptied["engine"] == emptied["trainer"] == [0, 5, 10]
 
 
+def test_memory_metrics_measure_what_a_stage_keeps_and_peaks_at(tmp_path):
+    import time
+
+    from engine import hookimpl
+
+    megabyte = 2**20
+
+    class Hog:
+        @hookimpl
+        def on_train_start(self, run):
+            self.kept = torch.ones(40 * megabyte // 4)  # kept after training: allocated
+
+        @hookimpl
+        def on_step_end(self, run):
+            if run.state.global_step == 1:
+                held = torch.ones(80 * megabyte // 4)  # freed within the step: a peak
+                time.sleep(0.05)
+                del held
+
+    hog = Hog()
+    run = Run({"train": {"max_steps": 2, "per_device_train_batch_size": 4, "save_strategy": "no",
+                         "disable_tqdm": True, "skip_memory_metrics": False, "output_dir": str(tmp_path)}},
+              model=tiny_model(), train_dataset=tiny_dataset(), eval_dataset=tiny_dataset(8, seed=1),
+              data_collator=DataCollator(0), plugins=[hog])
+    metrics = run.train()
+    assert metrics["train_mem_cpu_alloc_delta"] >= 36 * megabyte, metrics
+    assert metrics["train_mem_cpu_peaked_delta"] >= 72 * megabyte, metrics
+    evaluated = run.evaluate()
+    trainer = transformers.Trainer(
+        model=tiny_model(), eval_dataset=tiny_dataset(8, seed=1), data_collator=DataCollator(0),
+        args=transformers.TrainingArguments(output_dir=str(tmp_path / "trainer"), use_cpu=True, report_to="none",
+                                            remove_unused_columns=False, skip_memory_metrics=False))
+    theirs = {key for key in trainer.evaluate() if key.startswith("eval_mem")}  # and init_*: not in the engine
+    assert {key for key in evaluated if "_mem_" in key} == theirs == {"eval_mem_cpu_alloc_delta",
+                                                                     "eval_mem_cpu_peaked_delta"}
+    assert not any("_mem_" in key for key in run.state.log_history[-1])  # returned, not logged, as Trainer
+    assert "test_mem_cpu_peaked_delta" in run.predict(tiny_dataset(8, seed=1)).metrics
+
+
 def test_logging_no_determinism_tf32_and_loader_options(tmp_path):
     quiet = run_steps(4, output_dir=tmp_path / "quiet", train={"logging_strategy": "no"})
     assert not [entry for entry in quiet.state.log_history if "loss" in entry]

@@ -1,0 +1,70 @@
+"""Trainer's memory metrics (``train.skip_memory_metrics = false``).
+
+For a stage (train, eval, test) run outside another one: ``{stage}_mem_cpu_alloc_delta``, the
+process's resident memory at the end minus at the start, and ``{stage}_mem_cpu_peaked_delta``, how
+far above the end it peaked (their sum is what the stage needed); ``_gpu_`` the same for the
+accelerator's allocated memory. Names and measures are transformers' ``TrainerMemoryTracker``'s.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from typing import Any
+
+import torch
+
+from .util import require
+
+_active: set[int] = set()  # runs with a stage being measured: an evaluation during training is not one
+
+
+class MemoryTracker:
+    def __init__(self, stage: str, process: Any) -> None:
+        self.stage, self.process = stage, process
+        self.accelerator = torch.accelerator.is_available()
+        gc.collect()
+        if self.accelerator:
+            torch.accelerator.reset_peak_memory_stats()
+            torch.accelerator.empty_cache()
+            self.gpu_begin = torch.accelerator.memory_allocated()
+        self.cpu_begin = self.cpu_peak = process.memory_info().rss
+        self.watching = True
+        self.watcher = threading.Thread(target=self._watch, daemon=True)
+        self.watcher.start()
+
+    def _watch(self) -> None:
+        """Sample the resident size until stopped (the operating system keeps no resettable peak everywhere)."""
+        while self.watching:
+            self.cpu_peak = max(self.cpu_peak, self.process.memory_info().rss)
+            time.sleep(0.0005)
+
+    def stop(self, metrics: dict[str, Any]) -> None:
+        self.watching = False
+        self.watcher.join()
+        gc.collect()
+        cpu_now = self.process.memory_info().rss
+        metrics[f"{self.stage}_mem_cpu_alloc_delta"] = cpu_now - self.cpu_begin
+        metrics[f"{self.stage}_mem_cpu_peaked_delta"] = max(0, self.cpu_peak - cpu_now)
+        if self.accelerator:
+            torch.accelerator.empty_cache()
+            gpu_now = torch.accelerator.memory_allocated()
+            metrics[f"{self.stage}_mem_gpu_alloc_delta"] = gpu_now - self.gpu_begin
+            metrics[f"{self.stage}_mem_gpu_peaked_delta"] = max(0, torch.accelerator.max_memory_allocated() - gpu_now)
+
+
+def track(run: Any, stage: str) -> MemoryTracker | None:
+    """A tracker measuring ``stage`` from now; None when the run skips memory metrics or measures a stage already."""
+    if run.config.train.skip_memory_metrics or id(run) in _active:
+        return None
+    psutil = require("psutil", feature="train.skip_memory_metrics = false")
+    _active.add(id(run))
+    return MemoryTracker(stage, psutil.Process())
+
+
+def finish(run: Any, tracker: MemoryTracker | None, metrics: dict[str, Any] | None = None) -> None:
+    """Stop ``tracker`` (from :func:`track`; once) and add its figures to ``metrics``."""
+    if tracker is not None and tracker.watching:
+        tracker.stop(metrics if metrics is not None else {})
+        _active.discard(id(run))
