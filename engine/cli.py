@@ -136,7 +136,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 
     from .checkpoint import check_model_folder, saved_progress
     from .errors import CheckpointError
-    from .loop import evaluate
+    from .loop import cast_for_full_eval, evaluate
     from .util import dumps_json, write_json
 
     run = _make_run(args)
@@ -150,6 +150,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     if folder is not None:
         run.strategy.load_model_weights(run.model, folder)
         run.state.global_step, run.state.epoch = saved_progress(folder)
+    cast_for_full_eval(run)
     # a job of its own: no log_metrics (the training run's metrics.jsonl and trackers are not
     # this job's) and no on_evaluate (nothing trains here)
     metrics = {"step": run.state.global_step, **evaluate(run, report=False)}

@@ -207,6 +207,10 @@ class TrainConfig:
         "('non_padding')"))
     full_determinism: bool = option(False, help=(
         "torch's deterministic algorithms and cuDNN settings for the whole process (slower; as Trainer's)"))
+    bf16_full_eval: bool = option(False, help=(
+        "evaluate and predict outside training with the model cast to bfloat16 (it stays so; as Trainer)"))
+    fp16_full_eval: bool = option(False, help=(
+        "evaluate and predict outside training with the model cast to float16 (it stays so; as Trainer)"))
     tf32: bool | None = option(None, help="allow TF32 matmuls and convolutions on Ampere+ GPUs (default: torch's)")
     train_sampling_strategy: Literal["random", "sequential"] = option("random", help=(
         "order of the training examples: a seeded shuffle each epoch, or the dataset's order"))

@@ -478,6 +478,18 @@ def evaluate(run: Run, dataset: Any = None, prefix: str = "eval", report: bool =
     return metrics
 
 
+def cast_for_full_eval(run: Run) -> None:
+    """``bf16_full_eval`` / ``fp16_full_eval``: cast the model in place before an evaluation or prediction
+    outside training (Run.evaluate, Run.predict, ``engine evaluate``), as Trainer does."""
+    train = run.config.train
+    if train.bf16_full_eval:
+        if run.strategy.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise ConfigError("train.bf16_full_eval: this GPU does not support bfloat16; use train.fp16_full_eval")
+        run.model.to(torch.bfloat16)
+    elif train.fp16_full_eval:
+        run.model.to(torch.float16)
+
+
 def predict(run: Run, dataset: Any, prefix: str = "test") -> Any:
     """Logits, labels and metrics over ``dataset`` (see :meth:`Run.predict`)."""
 

@@ -391,16 +391,18 @@ class Run:
 
     def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Evaluate on ``eval_dataset`` (default: the run's eval data) and return the metrics."""
-        from .loop import evaluate
+        from .loop import cast_for_full_eval, evaluate
 
         self.setup()
+        cast_for_full_eval(self)
         return evaluate(self, self._prepared(eval_dataset, "eval_dataset"), metric_key_prefix)
 
     def predict(self, dataset: Any, metric_key_prefix: str = "test") -> PredictionOutput:
         """Predictions (logits), label ids and metrics over ``dataset``, like ``Trainer.predict``."""
-        from .loop import predict
+        from .loop import cast_for_full_eval, predict
 
         self.setup()
+        cast_for_full_eval(self)
         return predict(self, self._prepared(dataset, "dataset"), metric_key_prefix)
 
     def _prepared(self, dataset: Any, key: str) -> Any:
@@ -507,6 +509,8 @@ def _check_values(train: cfg.TrainConfig) -> None:
                               f"multiple of eval_steps ({eval_steps})")
     if train.bf16 and train.fp16:
         raise ConfigError("train.bf16 and train.fp16 are both true; pick one")
+    if train.bf16_full_eval and train.fp16_full_eval:
+        raise ConfigError("train.bf16_full_eval and train.fp16_full_eval are both true; pick one")
     for key in ("dataloader_persistent_workers", "dataloader_prefetch_factor"):
         if getattr(train, key) not in (None, False) and train.dataloader_num_workers == 0:
             raise ConfigError(f"train.{key} needs worker processes: set train.dataloader_num_workers > 0")

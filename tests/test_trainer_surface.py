@@ -158,6 +158,26 @@ def test_label_names_of_question_answering_as_trainer(tmp_path):
     assert isinstance(predicted.predictions, tuple) and predicted.predictions[0].shape == (12, 16)  # start, end
 
 
+def test_full_eval_in_bf16_and_fp16_as_trainer(tmp_path):
+    data = tiny_dataset(12, seed=3)
+    losses = {}
+    for mode, dtype in (("bf16_full_eval", torch.bfloat16), ("fp16_full_eval", torch.float16), (None, torch.float32)):
+        flags = {mode: True} if mode else {}
+        trainer = transformers.Trainer(
+            model=tiny_model(), eval_dataset=data, data_collator=DataCollator(0),
+            args=transformers.TrainingArguments(output_dir=str(tmp_path / "trainer"), per_device_eval_batch_size=4,
+                                                use_cpu=True, report_to="none", remove_unused_columns=False, **flags))
+        theirs = trainer.evaluate()
+        run = Run({"train": {"per_device_eval_batch_size": 4, "output_dir": str(tmp_path / "engine"), **flags}},
+                  model=tiny_model(), train_dataset=tiny_dataset(), eval_dataset=data, data_collator=DataCollator(0))
+        losses[dtype] = run.evaluate()["eval_loss"]
+        assert losses[dtype] == pytest.approx(theirs["eval_loss"], abs=1e-5), mode
+        assert run.model.dtype == trainer.model.dtype == dtype  # cast in place, as Trainer
+    assert losses[torch.bfloat16] != losses[torch.float32] != losses[torch.float16]
+    with pytest.raises(ConfigError, match="train.bf16_full_eval and train.fp16_full_eval are both true"):
+        Run({"train": {"bf16_full_eval": True, "fp16_full_eval": True}})
+
+
 def _first_tokens(model):
     """Records the first token of each training row the model sees: the data order."""
     seen = []
