@@ -174,6 +174,9 @@ class TrainConfig:
         "the batch keys holding the labels that evaluation and predict return as label_ids (several: a tuple) "
         "(default, as Trainer: the model's forward arguments named *label*; start_positions and end_positions "
         "for question answering)"))
+    include_for_metrics: list[str] = option(default_factory=list, help=(
+        "what compute_metrics gets besides predictions and labels: 'inputs' (the model's main input, as "
+        "EvalPrediction.inputs) and/or 'loss' (each row's batch loss, as EvalPrediction.losses)"))
     prediction_loss_only: bool = option(False, help="evaluation returns the loss only (no compute_metrics)")
     compute_metrics: str | None = option(None, help=(
         "'package.module:function' taking an EvalPrediction and returning a dict of floats"))

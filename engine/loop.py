@@ -552,6 +552,11 @@ def _evaluate_one(run: Run, dataset: Any, prefix: str, want_predictions: bool) -
     weight_sum = torch.zeros((), dtype=torch.float64)
     predictions, label_ids = [], []
     label_names = run.label_names
+    # train.include_for_metrics: the model's main inputs and each row's batch loss, as Trainer
+    inputs: list[torch.Tensor] = []
+    losses: list[torch.Tensor] = []
+    include = set(train_cfg.include_for_metrics) if use_metrics else set()
+    main_input = getattr(run.model, "main_input_name", "input_ids")
     samples = 0
     started = time.perf_counter()
     try:
@@ -591,6 +596,10 @@ def _evaluate_one(run: Run, dataset: Any, prefix: str, want_predictions: bool) -
                     labels = _labels_of(batch, label_names)
                     if labels is not None:
                         label_ids.append(_nested(lambda t: t.cpu(), labels))
+                    if "inputs" in include:
+                        inputs.append(batch[main_input].cpu())
+                    if "loss" in include:
+                        losses.append(loss.detach().float().cpu().repeat(rows))
                 on_prediction_step(run=run, step=index, total=total)
     finally:
         if handle is not None:
@@ -607,13 +616,17 @@ def _evaluate_one(run: Run, dataset: Any, prefix: str, want_predictions: bool) -
         return metrics, None, None
     all_predictions = _concat_nested(predictions)
     all_labels = _concat_nested(label_ids) if label_ids else None
+    all_inputs = _concat_padded(inputs) if inputs else None
+    all_losses = torch.cat(losses).numpy() if losses else None
     if strategy.world_size > 1 and sampler is not None:
-        all_predictions, all_labels = _gather_in_order(strategy, all_predictions, all_labels, length)
+        all_predictions, all_labels, all_inputs, all_losses = _gather_in_order(
+            strategy, (all_predictions, all_labels, all_inputs, all_losses), length)
     if use_metrics:
         function = run.compute_metrics
         name = train_cfg.compute_metrics if run.compute_metrics_key == "train.compute_metrics" else \
             getattr(function, "__qualname__", type(function).__name__)
-        computed = call_user(run.compute_metrics_key, name, function, EvalPrediction(all_predictions, all_labels))
+        computed = call_user(run.compute_metrics_key, name, function,
+                             EvalPrediction(all_predictions, all_labels, all_inputs, all_losses))
         if not isinstance(computed, dict) or not all(isinstance(k, str) for k in computed):
             raise ConfigError(f"{run.compute_metrics_key}: {name} returned {type(computed).__name__}, expected a dict "
                               "of metric name -> number")
@@ -622,14 +635,15 @@ def _evaluate_one(run: Run, dataset: Any, prefix: str, want_predictions: bool) -
     return metrics, all_predictions, all_labels
 
 
-def _gather_in_order(strategy: Any, predictions: Any, labels: Any, length: int) -> tuple[Any, Any]:
-    """Every process's rows, back in dataset order, without the repeats of the equal shares.
+def _gather_in_order(strategy: Any, arrays: tuple[Any, ...], length: int) -> tuple[Any, ...]:
+    """Every process's rows of each of ``arrays`` (None stays None), back in dataset order, without the
+    repeats of the equal shares.
 
     Process r holds rows r, r + world_size, r + 2 * world_size, ... of the dataset.
     """
     import numpy
 
-    parts = strategy.gather_object((predictions, labels))
+    parts = strategy.gather_object(arrays)
     world = strategy.world_size
 
     def merged(arrays: list[Any]) -> Any:
@@ -651,15 +665,18 @@ def _gather_in_order(strategy: Any, predictions: Any, labels: Any, length: int) 
             return tuple(merged([array[i] for array in arrays]) for i in range(len(arrays[0])))
         return merged(arrays)
 
-    gathered_labels = None if labels is None else merged_nested([part[1] for part in parts])
-    return merged_nested([part[0] for part in parts]), gathered_labels
+    return tuple(None if array is None else merged_nested([part[i] for part in parts])
+                 for i, array in enumerate(arrays))
 
 
 class EvalPrediction(tuple):
-    """``(predictions, label_ids)`` as numpy arrays, like transformers.EvalPrediction."""
+    """``(predictions, label_ids)`` as numpy arrays, like transformers.EvalPrediction; then ``inputs`` and
+    ``losses`` when train.include_for_metrics asks for them."""
 
-    def __new__(cls, predictions: Any, label_ids: Any):
-        return super().__new__(cls, (predictions, label_ids))
+    def __new__(cls, predictions: Any, label_ids: Any, inputs: Any = None, losses: Any = None):
+        prediction = super().__new__(cls, (predictions, label_ids, *(v for v in (inputs, losses) if v is not None)))
+        prediction.inputs, prediction.losses = inputs, losses
+        return prediction
 
     @property
     def predictions(self) -> Any:

@@ -509,6 +509,9 @@ def _check_values(train: cfg.TrainConfig) -> None:
                               f"multiple of eval_steps ({eval_steps})")
     if train.bf16 and train.fp16:
         raise ConfigError("train.bf16 and train.fp16 are both true; pick one")
+    unknown = [name for name in train.include_for_metrics if name not in ("inputs", "loss")]
+    if unknown:
+        raise ConfigError(f"train.include_for_metrics: {', '.join(map(repr, unknown))} is not one of 'inputs', 'loss'")
     if train.bf16_full_eval and train.fp16_full_eval:
         raise ConfigError("train.bf16_full_eval and train.fp16_full_eval are both true; pick one")
     for key in ("dataloader_persistent_workers", "dataloader_prefetch_factor"):

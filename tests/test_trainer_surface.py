@@ -101,23 +101,37 @@ def _accuracy(prediction):
     return {"accuracy": float(numpy.mean(predicted == target))}
 
 
-def test_preprocess_logits_for_metrics_as_trainer(tmp_path):
+def test_preprocess_logits_for_metrics_and_include_for_metrics_as_trainer(tmp_path):
     def argmax(logits, labels):
         return logits.argmax(-1)
 
-    data = tiny_dataset(12, seed=3)
+    def metrics(prediction):  # include_for_metrics: inputs and losses too
+        inputs, losses = prediction.inputs, prediction.losses
+        assert len(tuple(prediction)) == 4 and prediction[2] is inputs and prediction[3] is losses
+        return {**_accuracy((prediction[0], prediction[1])), "rows": len(inputs), "first_tokens": int(inputs[:, 0].sum()),
+                "losses": len(losses), "loss_mean": float(losses.mean()), "first_loss": float(losses[0])}
+
+    data = tiny_dataset(10, seed=3)  # batches of 4, 4 and 2
+    include = ["inputs", "loss"]
     trainer = transformers.Trainer(
-        model=tiny_model(), eval_dataset=data, data_collator=DataCollator(0), compute_metrics=_accuracy,
+        model=tiny_model(), eval_dataset=data, data_collator=DataCollator(0), compute_metrics=metrics,
         preprocess_logits_for_metrics=argmax,
         args=transformers.TrainingArguments(output_dir=str(tmp_path / "trainer"), per_device_eval_batch_size=4,
-                                            use_cpu=True, report_to="none", remove_unused_columns=False))
+                                            use_cpu=True, report_to="none", remove_unused_columns=False,
+                                            include_for_metrics=include))
     theirs = trainer.evaluate()
-    run = Run({"train": {"per_device_eval_batch_size": 4, "output_dir": str(tmp_path / "engine")}},
+    run = Run({"train": {"per_device_eval_batch_size": 4, "output_dir": str(tmp_path / "engine"),
+                         "include_for_metrics": include}},
               model=tiny_model(), train_dataset=tiny_dataset(), eval_dataset=data, data_collator=DataCollator(0),
-              compute_metrics=_accuracy, preprocess_logits_for_metrics=argmax)
+              compute_metrics=metrics, preprocess_logits_for_metrics=argmax)
     ours = run.evaluate()
-    assert ours["eval_accuracy"] == theirs["eval_accuracy"]
-    assert ours["eval_loss"] == pytest.approx(theirs["eval_loss"], abs=1e-5)
+    for key in ("eval_accuracy", "eval_rows", "eval_first_tokens", "eval_losses"):
+        assert ours[key] == theirs[key], key
+    for key in ("eval_loss", "eval_loss_mean", "eval_first_loss"):
+        assert ours[key] == pytest.approx(theirs[key], abs=1e-5), key
+    assert ours["eval_rows"] == ours["eval_losses"] == 10
+    with pytest.raises(ConfigError, match="train.include_for_metrics: 'labels' is not one of 'inputs', 'loss'"):
+        Run({"train": {"include_for_metrics": ["labels"]}})
 
 
 def test_label_names_of_question_answering_as_trainer(tmp_path):
