@@ -177,6 +177,9 @@ class TrainConfig:
     include_for_metrics: list[str] = option(default_factory=list, help=(
         "what compute_metrics gets besides predictions and labels: 'inputs' (the model's main input, as "
         "EvalPrediction.inputs) and/or 'loss' (each row's batch loss, as EvalPrediction.losses)"))
+    batch_eval_metrics: bool = option(False, help=(
+        "call compute_metrics after each evaluation batch (tensors; compute_result=True after the last, whose "
+        "answer are the metrics) instead of once on every prediction kept in memory"))
     prediction_loss_only: bool = option(False, help="evaluation returns the loss only (no compute_metrics)")
     compute_metrics: str | None = option(None, help=(
         "'package.module:function' taking an EvalPrediction and returning a dict of floats"))

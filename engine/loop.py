@@ -71,6 +71,8 @@ beyond the batches themselves.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 import logging
 import math
@@ -557,6 +559,19 @@ def _evaluate_one(run: Run, dataset: Any, prefix: str, want_predictions: bool) -
     losses: list[torch.Tensor] = []
     include = set(train_cfg.include_for_metrics) if use_metrics else set()
     main_input = getattr(run.model, "main_input_name", "input_ids")
+    # train.batch_eval_metrics: compute_metrics sees each batch (tensors), compute_result=True for the last;
+    # its last answer is the metrics. Batches are kept only for predict's output then.
+    per_batch = use_metrics and train_cfg.batch_eval_metrics
+    if per_batch:
+        function = run.compute_metrics
+        if "compute_result" not in _parameters(function):
+            raise ConfigError(f"train.batch_eval_metrics: {run.compute_metrics_key} must take a compute_result "
+                              "argument (true after the last batch: return the metrics then)")
+        if strategy.world_size > 1:
+            raise ConfigError("train.batch_eval_metrics: not supported with several processes yet (each would see "
+                              "its own batches only); set it to false")
+    keep = not per_batch or want_predictions
+    pending = computed = None
     samples = 0
     started = time.perf_counter()
     try:
@@ -585,22 +600,31 @@ def _evaluate_one(run: Run, dataset: Any, prefix: str, want_predictions: bool) -
                 weight_sum += float(weight)
                 samples += rows
                 if collect:
-                    if generation is not None:
-                        predictions.append(outputs[-1].cpu())
-                    else:
-                        logits = _predictions_of(run.model, outputs[-1])
-                        if run.preprocess_logits_for_metrics is not None:  # e.g. argmax: keep less per batch
-                            logits = run.preprocess_logits_for_metrics(logits, _labels_of(batch, label_names))
-                        predictions.append(_nested(lambda t: t.cpu() if run.preprocess_logits_for_metrics
-                                                   else t.float().cpu(), logits))
                     labels = _labels_of(batch, label_names)
-                    if labels is not None:
-                        label_ids.append(_nested(lambda t: t.cpu(), labels))
-                    if "inputs" in include:
-                        inputs.append(batch[main_input].cpu())
-                    if "loss" in include:
-                        losses.append(loss.detach().float().cpu().repeat(rows))
+                    if generation is not None:
+                        found = outputs[-1]
+                    else:
+                        found = _predictions_of(run.model, outputs[-1])
+                        if run.preprocess_logits_for_metrics is not None:  # e.g. argmax: keep less per batch
+                            found = run.preprocess_logits_for_metrics(found, labels)
+                    batch_inputs = batch[main_input] if "inputs" in include else None
+                    batch_losses = loss.detach().float().repeat(rows) if "loss" in include else None
+                    if per_batch:
+                        if pending is not None:
+                            computed = _call_metrics(run, pending, compute_result=False)
+                        pending = EvalPrediction(found, labels, batch_inputs, batch_losses)
+                    if keep:
+                        as_is = generation is not None or run.preprocess_logits_for_metrics is not None
+                        predictions.append(_nested(lambda t: t.cpu() if as_is else t.float().cpu(), found))
+                        if labels is not None:
+                            label_ids.append(_nested(lambda t: t.cpu(), labels))
+                        if batch_inputs is not None:
+                            inputs.append(batch_inputs.cpu())
+                        if batch_losses is not None:
+                            losses.append(batch_losses.cpu())
                 on_prediction_step(run=run, step=index, total=total)
+        if pending is not None:
+            computed = _call_metrics(run, pending, compute_result=True)
     finally:
         if handle is not None:
             handle.remove()
@@ -614,25 +638,40 @@ def _evaluate_one(run: Run, dataset: Any, prefix: str, want_predictions: bool) -
     }
     if not collect:
         return metrics, None, None
-    all_predictions = _concat_nested(predictions)
+    all_predictions = _concat_nested(predictions) if predictions else None
     all_labels = _concat_nested(label_ids) if label_ids else None
     all_inputs = _concat_padded(inputs) if inputs else None
     all_losses = torch.cat(losses).numpy() if losses else None
     if strategy.world_size > 1 and sampler is not None:
         all_predictions, all_labels, all_inputs, all_losses = _gather_in_order(
             strategy, (all_predictions, all_labels, all_inputs, all_losses), length)
-    if use_metrics:
-        function = run.compute_metrics
-        name = train_cfg.compute_metrics if run.compute_metrics_key == "train.compute_metrics" else \
-            getattr(function, "__qualname__", type(function).__name__)
-        computed = call_user(run.compute_metrics_key, name, function,
-                             EvalPrediction(all_predictions, all_labels, all_inputs, all_losses))
-        if not isinstance(computed, dict) or not all(isinstance(k, str) for k in computed):
-            raise ConfigError(f"{run.compute_metrics_key}: {name} returned {type(computed).__name__}, expected a dict "
-                              "of metric name -> number")
-        for key, value in computed.items():
-            metrics[key if key.startswith(prefix + "_") else f"{prefix}_{key}"] = value
+    if use_metrics and not per_batch:
+        computed = _call_metrics(run, EvalPrediction(all_predictions, all_labels, all_inputs, all_losses))
+    for key, value in (computed or {}).items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:  # batch_eval_metrics' tensors, as Trainer
+            value = value.item()
+        metrics[key if key.startswith(prefix + "_") else f"{prefix}_{key}"] = value
     return metrics, all_predictions, all_labels
+
+
+def _parameters(function: Any) -> Any:
+    try:
+        return inspect.signature(function).parameters
+    except (TypeError, ValueError):  # no signature (a builtin)
+        return {}
+
+
+def _call_metrics(run: Run, prediction: EvalPrediction, **keywords: Any) -> dict[str, Any]:
+    """compute_metrics on ``prediction``; its answer checked to be a dict of metric name -> value."""
+    function = run.compute_metrics
+    name = run.config.train.compute_metrics if run.compute_metrics_key == "train.compute_metrics" else \
+        getattr(function, "__qualname__", type(function).__name__)
+    computed = call_user(run.compute_metrics_key, name, functools.partial(function, **keywords) if keywords
+                         else function, prediction)
+    if not isinstance(computed, dict) or not all(isinstance(k, str) for k in computed):
+        raise ConfigError(f"{run.compute_metrics_key}: {name} returned {type(computed).__name__}, expected a dict "
+                          "of metric name -> number")
+    return computed
 
 
 def _gather_in_order(strategy: Any, arrays: tuple[Any, ...], length: int) -> tuple[Any, ...]:

@@ -557,7 +557,7 @@ FIELDS: dict[str, Answer] = _named({
     "eval_use_gather_object": builtin("evaluation gathers every process's predictions with gather_object, in order"),
     "eval_accumulation_steps": not_yet("predictions move to the CPU batch by batch"),
     "include_for_metrics": accepted(),
-    "batch_eval_metrics": not_yet("compute_metrics is called once, on the whole evaluation"),
+    "batch_eval_metrics": accepted(note="one process only so far"),
     "save_only_model": accepted(note="such a checkpoint is refused by resume_from_checkpoint"),
     "save_strategy": accepted(note="'best' has no counterpart yet"),
     "save_steps": accepted(convert=_steps_or_ratio, note=_STEP_NOTE),

@@ -130,6 +130,38 @@ def test_preprocess_logits_for_metrics_and_include_for_metrics_as_trainer(tmp_pa
     for key in ("eval_loss", "eval_loss_mean", "eval_first_loss"):
         assert ours[key] == pytest.approx(theirs[key], abs=1e-5), key
     assert ours["eval_rows"] == ours["eval_losses"] == 10
+
+    def batch_metrics(prediction, compute_result):  # batch_eval_metrics: tensors, batch by batch
+        predicted, target = prediction.predictions[:, :-1], prediction.label_ids[:, 1:]
+        calls.append((type(predicted).__name__, len(prediction.losses), compute_result))
+        totals["hits"] += int((predicted == target).sum())
+        totals["count"] += target.numel()
+        if not compute_result:
+            return {}
+        result = {"accuracy": totals["hits"] / totals["count"]}
+        totals.update(hits=0, count=0)
+        return result
+
+    answers = []
+    for name in ("trainer", "engine"):
+        calls, totals = [], {"hits": 0, "count": 0}
+        options = {"per_device_eval_batch_size": 4, "batch_eval_metrics": True, "include_for_metrics": ["loss"]}
+        if name == "trainer":
+            answers.append(transformers.Trainer(
+                model=tiny_model(), eval_dataset=data, data_collator=DataCollator(0), compute_metrics=batch_metrics,
+                preprocess_logits_for_metrics=argmax,
+                args=transformers.TrainingArguments(output_dir=str(tmp_path / "trainer"), use_cpu=True,
+                                                    report_to="none", remove_unused_columns=False, **options)).evaluate())
+        else:
+            answers.append(Run({"train": {"output_dir": str(tmp_path / "engine"), **options}}, model=tiny_model(),
+                               train_dataset=tiny_dataset(), eval_dataset=data, data_collator=DataCollator(0),
+                               compute_metrics=batch_metrics, preprocess_logits_for_metrics=argmax).evaluate())
+        assert calls == [("Tensor", 4, False), ("Tensor", 4, False), ("Tensor", 2, True)], name
+    assert answers[0]["eval_accuracy"] == answers[1]["eval_accuracy"] == ours["eval_accuracy"]
+    with pytest.raises(ConfigError, match="train.batch_eval_metrics: compute_metrics must take a compute_result"):
+        Run({"train": {"batch_eval_metrics": True, "output_dir": str(tmp_path / "engine")}}, model=tiny_model(),
+            train_dataset=tiny_dataset(), eval_dataset=data, data_collator=DataCollator(0),
+            compute_metrics=_accuracy).evaluate()
     with pytest.raises(ConfigError, match="train.include_for_metrics: 'labels' is not one of 'inputs', 'loss'"):
         Run({"train": {"include_for_metrics": ["labels"]}})
 
