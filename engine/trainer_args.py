@@ -201,6 +201,12 @@ def _optim(c: Conversion, name: str, value: Any) -> None:
     c.set("train.optim", value)
 
 
+def _include_inputs(c: Conversion, name: str, value: Any) -> None:
+    """The older boolean that include_for_metrics replaced."""
+    if value:
+        c.set("train.include_for_metrics", ["inputs"])
+
+
 def _json_table(c: Conversion, name: str, value: Any) -> None:
     """A dict field Trainer also takes as a JSON string (lr_scheduler_kwargs)."""
     if isinstance(value, str):
@@ -647,8 +653,9 @@ LEGACY: dict[str, Answer] = _named({
     "push_to_hub_organization": Answer(REFUSED, legacy_defaults=(None,), note="set [hub] repo = 'org/model'"),
     "push_to_hub_token": Answer(REFUSED, legacy_defaults=(None, "<PUSH_TO_HUB_TOKEN>"), note="set HF_TOKEN"),
     "save_safetensors": Answer(BUILTIN, legacy_defaults=(True,), note="weights are always saved as safetensors"),
-    "include_inputs_for_metrics": Answer(NOT_YET, legacy_defaults=(False,), note="compute_metrics gets "
-                                                                                "predictions and labels"),
+    "include_inputs_for_metrics": dataclasses.replace(accepted("include_for_metrics", convert=_include_inputs,
+                                                               note="true: include_for_metrics = ['inputs']"),
+                                                      legacy_defaults=(False,)),
     "include_tokens_per_second": Answer(NOT_YET, legacy_defaults=(False,), note="no token throughput is logged"),
     "group_by_length": Answer(NOT_YET, legacy_defaults=(False,), note="no length-grouped sampler"),
     "half_precision_backend": Answer(REFUSED, legacy_defaults=("auto",), note="mixed precision is torch.autocast"),
