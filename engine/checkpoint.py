@@ -283,7 +283,7 @@ def _lost_errno(folder: Path) -> str:
 # ---------------------------------------------------------------------------- RNG
 
 
-def _rng_state() -> dict[str, Any]:
+def rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"python": list(random.getstate()[1]), "python_pos": random.getstate()[2],
                              "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -298,7 +298,7 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((3, tuple(state["python"]), state["python_pos"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
@@ -669,7 +669,7 @@ def save(run: Run) -> Path:
                 check_finite_weights(run, model_state, final.name)
                 run.weights.write(run, tmp, model_state)
         else:
-            torch.save(_rng_state(), tmp / _rng_file(strategy.rank))
+            torch.save(rng_state(), tmp / _rng_file(strategy.rank))
             strategy.save_checkpoint_files(run, tmp, final.name)
         strategy.barrier()
         if strategy.is_main_process:
@@ -788,6 +788,12 @@ def validate(run: Run, path: Path) -> None:
             f"{sorted(now)} (only in checkpoint: {sorted(saved - now) or 'none'}; only in run: "
             f"{sorted(now - saved) or 'none'})")
     train, strategy = run.config.train, run.strategy
+    saved_batch = trainer_state["config"]["train"].get("per_device_train_batch_size")
+    if train.auto_find_batch_size and isinstance(saved_batch, int) and saved_batch != train.per_device_train_batch_size:
+        # the batch size that run found, as Trainer restores state.train_batch_size
+        logger.info("train.auto_find_batch_size: resuming with the checkpoint's per_device_train_batch_size %d "
+                    "(configured: %d)", saved_batch, train.per_device_train_batch_size)
+        train.per_device_train_batch_size = saved_batch
     now_order = data_order(run)
     changed = [f"{_ORDER_NAMES[key]} = {now_order[key]!r} (checkpoint: {value!r})"
                for key, value in trainer_state["data_order"].items() if now_order.get(key, value) != value]
@@ -952,9 +958,9 @@ def load(run: Run, path: str | Path) -> None:
         strategy.load_state_dict(engine_state["strategy"])
     rng_file = _rng_file(strategy.rank)
     if (path / rng_file).is_file():
-        rng_state = load_state_file(path, rng_file, expect=("python", "python_pos", "torch"))
+        saved_rng = load_state_file(path, rng_file, expect=("python", "python_pos", "torch"))
         with restoring(path, rng_file):
-            _set_rng_state(rng_state)
+            set_rng_state(saved_rng)
     notes = {}
     if not train.reset_optimizer:
         fresh = [{k: v for k, v in group.items() if k != "params"} for group in run.optimizer.param_groups]

@@ -87,6 +87,9 @@ class TrainConfig:
     num_train_epochs: float = option(3.0, min=0, help="epochs to train when max_steps <= 0")
     per_device_train_batch_size: int = option(8, min=1, help="micro-batch size per device")
     per_device_eval_batch_size: int = option(8, min=1, help="evaluation batch size per device")
+    auto_find_batch_size: bool = option(False, help=(
+        "on an out-of-memory error in a training step, start the run again with per_device_train_batch_size "
+        "x 0.9 (as Trainer through accelerate), until one fits; one process only"))
     gradient_accumulation_steps: int = option(1, min=1, help="micro-batches per optimizer step")
     learning_rate: float = option(5e-5, min=0, help="peak learning rate")
     weight_decay: float = option(0.0, min=0, help="decoupled weight decay (not applied to biases and norms)")
@@ -193,6 +196,9 @@ class TrainConfig:
     generation_config: str | dict[str, Any] | None = option(None, help=(
         "predict_with_generate: a folder holding generation_config.json, or a table of GenerationConfig values, "
         "replacing the model's generation config"))
+    use_cache: bool = option(False, help=(
+        "the model's config.use_cache while training and in the saved model (as Trainer sets it): the key/value "
+        "cache only costs memory in a training forward"))
     torch_empty_cache_steps: int | None = option(None, min=1, help=(
         "empty the accelerator's memory cache (torch.accelerator.empty_cache) in steps 1, N+1, 2N+1 ...: less "
         "peak memory, slower steps (as Trainer's; nothing on the CPU)"))

@@ -36,7 +36,7 @@ How results combine (pluggy semantics):
 Every hook gets ``run`` (:class:`engine.run.Run`): the composed config (``run.config``), the
 model, optimizer, scheduler, strategy, datasets, ``run.state`` (step, epoch, log history) and
 ``run.control`` (set ``should_stop`` / ``should_save`` / ``should_evaluate`` to ask the loop to
-stop, save or evaluate after the current step). Hooks are grouped below by the phase in which
+stop, save or evaluate after the current step, ``should_epoch_stop`` to end the epoch). Hooks are grouped below by the phase in which
 they fire; ``engine/loop.py`` shows them in place as pseudocode.
 """
 
@@ -376,6 +376,23 @@ def on_evaluate(run: Run, metrics: dict[str, float]) -> None:
 
     **When**: after every evaluation, on every process, after the metrics were logged.
     **Combine**: broadcast; early stopping sets ``run.control.should_stop`` here.
+    """
+
+
+@hookspec
+def on_predict(run: Run, metrics: dict[str, float]) -> None:
+    """A prediction pass (:meth:`Run.predict`) finished with ``metrics`` (keys prefixed ``test_``).
+
+    **When**: at the end of every :meth:`Run.predict`, on every process. As under Trainer, the
+    metrics are returned, not logged (no :func:`log_metrics`), and predictions are not evaluations:
+    :func:`on_evaluate` does not fire for them (early stopping must not count them).
+    **Combine**: broadcast.
+
+    Example::
+
+        @hookimpl
+        def on_predict(run, metrics):
+            print(f"predicted: {metrics}")
     """
 
 

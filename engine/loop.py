@@ -34,9 +34,11 @@
                 every eval_steps:     evaluate(run)               # see below; best metric noted;
                                                                   #   then on_train_mode; from eval_delay on
                 every save_steps:     save(run)                   # see below, then on_train_mode
-                (run.control.should_log / should_evaluate / should_save: log / evaluate / save too)
+                (run.control.should_log / should_evaluate / should_save: log / evaluate / save too;
+                 what the logging hooks request on the main process applies on every process)
                 SIGTERM with enable_jit_checkpoint: save(run), raise TrainingPreempted (exit 143)
                 if run.control.should_stop or step == max_steps: stop
+                if run.control.should_epoch_stop: end the epoch
             on_epoch_end(run)
             logging_strategy / eval_strategy / save_strategy "epoch": log / evaluate / save
         on_eval_mode(run)
@@ -52,6 +54,9 @@
         for batch: compute_loss(run, model, batch, num_items)     # no_grad
                    predict_with_generate: model.generate(batch)   # the predictions compute_metrics gets
         log_metrics(run, eval_metrics, step); on_evaluate(run, eval_metrics)
+
+    predict(run, dataset)                         # as evaluate, but the metrics are returned, not
+        on_predict(run, test_metrics)             #   logged (as Trainer.predict)
 
     save(run)
         on_eval_mode(run)
@@ -83,7 +88,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from . import checkpoint, memory, rundir
+from . import autobatch, checkpoint, memory, rundir
 from .errors import ConfigError, TrainingDiverged, TrainingPreempted
 from .loss import IGNORE_INDEX, count_items, logits_of
 from .state import EpochSampler, PredictionOutput
@@ -98,6 +103,7 @@ logger = logging.getLogger("engine")
 def train(run: Run) -> dict[str, float]:
     run.setup_strategy()  # the process group first: the main process decides the claim for all
     try:
+        autobatch.check(run)
         claim = rundir.claim(run)  # before anything loads: a busy folder or a bad checkpoint stops us here
     except BaseException:
         run.strategy.teardown()
@@ -136,6 +142,8 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
     def evaluate_now() -> None:
         logged.stop_if_diverged()
         checkpoint.note_evaluation(run, evaluate(run))
+        if distributed:
+            _share_requests(run)
         hook.on_train_mode(run=run)
 
     saved_step = state.global_step if resume_from is not None else -1
@@ -148,6 +156,7 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
             saved_step = state.global_step
         hook.on_train_mode(run=run)
 
+    distributed = strategy.world_size > 1
     eval_every = (train_cfg.eval_steps or train_cfg.logging_steps) if train_cfg.eval_strategy == "steps" else 0
     eval_delay = train_cfg.eval_delay
     save_every = train_cfg.save_steps if train_cfg.save_strategy == "steps" else 0
@@ -159,35 +168,32 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
         metrics = logged.flush(lr)
         if main:
             run.isolated_hooks.call("log_metrics", metrics=metrics, step=state.global_step)
+        if distributed:
+            _share_requests(run)
         logged.stop_if_diverged()
-
-    steps_per_epoch = state.steps_per_epoch  # 0 for an IterableDataset: an epoch ends when it does
-    num_epochs = math.ceil(state.max_steps / steps_per_epoch) if steps_per_epoch else None
-    sampler = run.train_loader.sampler if hasattr(run.train_loader.sampler, "set_epoch") else None
 
     # hook callers looked up once: the per-step cost is pluggy's dispatch only
     training_step, on_step_end = hook.training_step, hook.on_step_end
-    scheduler_step = run.scheduler.step
-    optimizer = run.optimizer
     shift = run.label_shift
-    distributed = strategy.world_size > 1
     non_padding = train_cfg.include_num_input_tokens_seen == "non_padding"  # a tensor sum: no host sync
-    skipped_in_a_row = 0
     empty_cache_every = train_cfg.torch_empty_cache_steps
+    restart: autobatch.Restart | None = None  # train.auto_find_batch_size: how the run started
 
-    lr = float(optimizer.param_groups[0]["lr"])
+    lr = float(run.optimizer.param_groups[0]["lr"])
     sigterm = _Sigterm() if train_cfg.enable_jit_checkpoint else None
     status = "failed"
     start_time = time.perf_counter()
-    start_step = state.global_step
-    if main:
-        run.isolated_hooks.call("log_hyperparams", params=run.config.to_mapping())
-    try:
-        hook.on_train_start(run=run)
-        hook.on_train_mode(run=run)
-        if train_cfg.eval_on_start:  # as Trainer: reported, but not a candidate for the best model
-            evaluate(run)
-            hook.on_train_mode(run=run)
+    start_step, tokens_at_start = state.global_step, state.num_input_tokens_seen
+
+    def train_epochs() -> None:
+        nonlocal lr
+        # what the batch size decides: set again when auto_find_batch_size starts the run again
+        steps_per_epoch = state.steps_per_epoch  # 0 for an IterableDataset: an epoch ends when it does
+        num_epochs = math.ceil(state.max_steps / steps_per_epoch) if steps_per_epoch else None
+        sampler = run.train_loader.sampler if hasattr(run.train_loader.sampler, "set_epoch") else None
+        scheduler_step = run.scheduler.step
+        optimizer = run.optimizer
+        skipped_in_a_row = 0
         first_epoch = state.global_step // steps_per_epoch if steps_per_epoch else 0
         for epoch in itertools.count(first_epoch) if num_epochs is None else range(first_epoch, num_epochs):
             if state.global_step >= state.max_steps:
@@ -200,6 +206,7 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
                 sampler.set_epoch(epoch, done_in_epoch * accumulation * train_cfg.per_device_train_batch_size)
             run.train_loader.generator.manual_seed(train_cfg.seed + epoch)  # worker seeds per epoch
             state.epoch = float(epoch) + (done_in_epoch / steps_per_epoch if steps_per_epoch else 0.0)
+            control.should_epoch_stop = False
             hook.on_epoch_start(run=run)
             batches = iter(run.train_loader)
             step_in_epoch = done_in_epoch
@@ -219,7 +226,12 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
                                      else b["input_ids"].numel() for b in window if "input_ids" in b)
 
                 lr = float(optimizer.param_groups[0]["lr"])  # a tensor for some optimizers (torchao)
-                out = training_step(run=run, batches=window, num_items_in_batch=num_items)
+                try:  # free unless raised (zero-cost exceptions)
+                    out = training_step(run=run, batches=window, num_items_in_batch=num_items)
+                except RuntimeError as exc:
+                    if restart is not None and autobatch.is_out_of_memory(exc):
+                        raise autobatch.StepOutOfMemory() from exc
+                    raise
                 if empty_cache_every and state.global_step % empty_cache_every == 0:  # Trainer's steps 0, N, 2N ...
                     empty_device_cache()
                 scheduler_step()
@@ -249,7 +261,7 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
                     raise TrainingPreempted(f"stopped by SIGTERM at step {step} (train.enable_jit_checkpoint): saved "
                                             f"{run.output_dir / f'checkpoint-{step}'}; resume with "
                                             "train.resume_from_checkpoint = true")
-                if control.should_stop or last:
+                if control.should_stop or last or control.should_epoch_stop:
                     break
             hook.on_epoch_end(run=run)
             if (train_cfg.logging_strategy == "epoch" or control.should_log) and logged.count:
@@ -262,6 +274,24 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
                 save_now()
             if control.should_stop:
                 break
+
+    if main:
+        run.isolated_hooks.call("log_hyperparams", params=run.config.to_mapping())
+    try:
+        hook.on_train_start(run=run)
+        hook.on_train_mode(run=run)
+        if train_cfg.eval_on_start:  # as Trainer: reported, but not a candidate for the best model
+            evaluate(run)
+            hook.on_train_mode(run=run)
+        if train_cfg.auto_find_batch_size:
+            restart = autobatch.Restart(run, resume_from)
+        while True:
+            try:
+                train_epochs()
+                break
+            except autobatch.StepOutOfMemory as exc:
+                restart.with_smaller_batch(exc.__cause__)
+                logged, saved_step = _Interval(run), restart.start_step if resume_from is not None else -1
         if control.should_stop and state.global_step < state.max_steps:
             logger.info("stopped at step %d of %d: %s", state.global_step, state.max_steps,
                         control.stop_reason or "a plugin set run.control.should_stop")
@@ -271,9 +301,11 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
         logged.count_tokens()  # those not logged (logging_strategy "no" or "epoch")
         runtime = time.perf_counter() - start_time
         steps = state.global_step - start_step
+        tokens = state.num_input_tokens_seen - tokens_at_start
         summary = {
             "train_runtime": round(runtime, 4),
             "train_steps_per_second": round(steps / runtime, 3) if runtime else 0.0,
+            "train_tokens_per_second": round(tokens / runtime, 1) if runtime else 0.0,  # as include_tokens_per_second
             "train_loss": logged.mean_loss,
         }
         memory.finish(run, tracker, summary)
@@ -426,6 +458,21 @@ class _Interval:
         return round((self.total_loss + self.loss) / steps, 6) if steps else float("nan")
 
 
+def _share_requests(run: Run) -> None:
+    """The main process's control requests, on every process too: the logging hooks run on the main
+    process only, and what one asks for (a TrainerCallback's on_log stopping the run) must happen on
+    all, or the others would wait for it in the next collective."""
+    control = run.control
+    requests = (control.should_stop, control.stop_reason, control.should_save, control.should_evaluate,
+                control.should_epoch_stop)
+    should_stop, stop_reason, should_save, should_evaluate, should_epoch_stop = run.strategy.broadcast_object(requests)
+    if should_stop and not control.should_stop:
+        control.request_stop(stop_reason)
+    control.should_save |= should_save
+    control.should_evaluate |= should_evaluate
+    control.should_epoch_stop |= should_epoch_stop
+
+
 def _host_values(values: tuple[Any, ...]) -> list[float | None]:
     """Floats for tensors (read in one sync), numbers and None."""
     out = [None if v is None or isinstance(v, torch.Tensor) else float(v) for v in values]
@@ -500,20 +547,21 @@ def predict(run: Run, dataset: Any, prefix: str = "test") -> Any:
     try:
         run.hook.on_eval_mode(run=run)
         measured, predictions, label_ids = _evaluate_one(run, dataset, prefix, want_predictions=True)
-        metrics.update(_report(run, measured, is_evaluation=False))
+        # returned, not logged (as Trainer.predict); not an evaluation, which early stopping counts
+        metrics.update(measured, epoch=round(run.state.epoch, 4))
+        run.hook.on_predict(run=run, metrics=metrics)
     finally:
         memory.finish(run, tracker, metrics)  # returned, not logged, as Trainer
     return PredictionOutput(predictions, label_ids, metrics)
 
 
-def _report(run: Run, metrics: dict[str, float], is_evaluation: bool = True) -> dict[str, float]:
+def _report(run: Run, metrics: dict[str, float]) -> dict[str, float]:
     state = run.state
     metrics["epoch"] = round(state.epoch, 4)
     state.log_history.append({"step": state.global_step, **metrics})
     if run.strategy.is_main_process:
         run.isolated_hooks.call("log_metrics", metrics=metrics, step=state.global_step)
-    if is_evaluation:  # predictions are not evaluations: early stopping must not count them
-        run.hook.on_evaluate(run=run, metrics=metrics)
+    run.hook.on_evaluate(run=run, metrics=metrics)
     return metrics
 
 

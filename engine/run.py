@@ -251,6 +251,9 @@ class Run:
                 self.model = build_model(train, self.tokenizer, labels, self.model_load_kwargs)
             self._check_model("train.model")
         self._check_task_data(task)
+        model_config = getattr(self.model, "config", None)
+        if model_config is not None and hasattr(model_config, "use_cache"):  # as Trainer sets it
+            model_config.use_cache = train.use_cache
         if self.data_collator is None:
             self.data_collator = tasks.collator(task, self.tokenizer, self.model) or \
                 data_mod.collator_for(data, self.tokenizer)

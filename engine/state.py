@@ -45,6 +45,7 @@ class Control:
     should_save: bool = False
     should_evaluate: bool = False
     should_log: bool = False
+    should_epoch_stop: bool = False  # end the current epoch after this step (cleared when the next begins)
     stop_reason: str | None = None
 
     def request_stop(self, reason: str) -> None:

@@ -160,6 +160,11 @@ def _enable_with_value(c: Conversion, name: str, value: Any) -> None:
         c.set(c.answer.keys[0], value)
 
 
+def _static_space(c: Conversion, name: str, value: Any) -> None:
+    if isinstance(value, str):  # False: none; None: Trainer's default name, which the engine does not make
+        c.set(c.answer.keys[0], value)
+
+
 def _count(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 1:
         raise ConfigError("expected a whole number of steps, or a ratio in (0, 1)")
@@ -530,11 +535,13 @@ FIELDS: dict[str, Answer] = _named({
     "use_liger_kernel": plugin("liger", convert=_enable, note="true enables the plugin"),
     "liger_kernel_config": plugin("liger", *LIGER_KERNELS, convert=_liger_config,
                                   note="each kernel's switch to the [liger] key of the same name"),
-    "use_cache": not_yet("the model's config keeps its own use_cache"),
+    "use_cache": accepted(note="set on the model's config, so the saved config.json holds it too, as under Trainer"),
     "neftune_noise_alpha": plugin("neftune", "noise_alpha", convert=_enable_with_value,
                                   note="a value enables the plugin"),
     "torch_empty_cache_steps": accepted(),
-    "auto_find_batch_size": not_yet("set per_device_train_batch_size to one that fits"),
+    "auto_find_batch_size": accepted(note="x 0.9 per out-of-memory error, as accelerate's helper; the retry starts "
+                                          "from the run's start, so it equals a run with the batch that fit; one "
+                                          "process only"),
     "logging_strategy": accepted(),
     "logging_steps": accepted(convert=_steps_or_ratio, note=_STEP_NOTE),
     "logging_first_step": accepted(),
@@ -551,8 +558,10 @@ FIELDS: dict[str, Answer] = _named({
     "run_name": accepted(note="the trackers' run name"),
     "project": plugin("trackio", "project"),
     "trackio_space_id": plugin("trackio", "space_id"),
-    "trackio_bucket_id": not_yet("the trackio plugin has no bucket option"),
-    "trackio_static_space_id": not_yet("the trackio plugin has no static Space option"),
+    "trackio_bucket_id": plugin("trackio", "bucket_id"),
+    "trackio_static_space_id": plugin("trackio", "static_space_id", convert=_static_space, note=(
+        "a name: the snapshot Space made after training; the engine makes none unless named (Trainer's None "
+        "makes one with a default name when pushing to the Hub)")),
     "eval_strategy": accepted(),
     "eval_steps": accepted(convert=_steps_or_ratio, note=_STEP_NOTE),
     "eval_delay": accepted(),
@@ -656,7 +665,8 @@ LEGACY: dict[str, Answer] = _named({
     "include_inputs_for_metrics": dataclasses.replace(accepted("include_for_metrics", convert=_include_inputs,
                                                                note="true: include_for_metrics = ['inputs']"),
                                                       legacy_defaults=(False,)),
-    "include_tokens_per_second": Answer(NOT_YET, legacy_defaults=(False,), note="no token throughput is logged"),
+    "include_tokens_per_second": Answer(BUILTIN, legacy_defaults=(False,), note=(
+        "always measured: tokens_per_second at each log step, train_tokens_per_second in the final metrics")),
     "group_by_length": Answer(NOT_YET, legacy_defaults=(False,), note="no length-grouped sampler"),
     "half_precision_backend": Answer(REFUSED, legacy_defaults=("auto",), note="mixed precision is torch.autocast"),
     "fp16_backend": Answer(REFUSED, legacy_defaults=("auto",), note="mixed precision is torch.autocast"),

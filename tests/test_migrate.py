@@ -149,7 +149,7 @@ def test_defaults_write_only_where_the_engines_default_differs(tmp_path):
     assert 'train.optim = "adamw_torch_fused" (engine default: "adamw_torch")' in report
     assert "not converted" not in report  # nothing set away from Trainer's default
     idle = report.split("no counterpart, at Trainer's default (docs/trainer-arguments.md): ", 1)[1].splitlines()[0]
-    assert {"use_cache", "do_train", "local_rank", "auto_find_batch_size"} <= set(idle.split(", "))
+    assert {"do_train", "local_rank", "do_eval"} <= set(idle.split(", "))
     text = (tmp_path / "defaults.toml").read_text()
     assert '# model = "path/to/model"' in text and '# train = "data/train.jsonl"' in text
 
@@ -176,13 +176,12 @@ def test_lora_style_finetune_with_galore(tmp_path):
         "lr_scheduler_type": "cosine", "warmup_ratio": 0.1, "activation_checkpointing": True,
         "logging_steps": 10, "eval_strategy": "steps", "eval_steps": 50, "save_steps": 100, "save_total_limit": 2,
         "load_best_model_at_end": True, "metric_for_best_model": "loss", "greater_is_better": False,
-        "eval_on_start": True}
+        "eval_on_start": True, "use_cache": True}
     assert "optim -> plugins += ['galore']" in report
     assert "logging_steps -> train.logging_steps = 10 (0.05 x max_steps 200, rounded up as Trainer does)" in report
     assert "warmup_steps -> train.warmup_ratio = 0.1" in report
-    assert "use_cache = true: no counterpart yet: the model's config keeps its own use_cache" in report
     assert "do_train = true: refused: a flag for training scripts" in report
-    assert "#   use_cache = true: no counterpart yet" in (tmp_path / "galore.toml").read_text()
+    assert "#   do_train = true: refused" in (tmp_path / "galore.toml").read_text()
 
     stdout, config = plan(tmp_path, "galore")
     assert "optimizer  selected 'galore_adamw' from galore" in stdout

@@ -95,3 +95,50 @@ def test_a_plugin_object_without_hooks_is_refused():
     with pytest.raises(PluginError, match="a Linear object has no @engine.hookimpl functions and is not a "
                                           "transformers TrainerCallback"):
         Run({"train": {"max_steps": 1}}, plugins=[torch.nn.Linear(1, 1)])
+
+
+class EndEachEpochAfter2Steps(TrainerCallback):
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        self.steps = 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps += 1
+        if self.steps == 2:
+            control.should_epoch_stop = True
+
+
+def test_epoch_stop_and_on_predict_are_trainers(tmp_path):
+    args = dict(num_train_epochs=3, per_device_train_batch_size=4, logging_steps=1, learning_rate=1e-3,
+                save_strategy="no")
+    theirs, ours = Recorder(), Recorder()
+    for recorder in (theirs, ours):
+        recorder.on_predict = recorder._recorder("on_predict")
+    trainer = trainer_run(tmp_path / "trainer", [theirs, EndEachEpochAfter2Steps()], **args)
+    trainer.predict(tiny_dataset(8, seed=1))
+    run = engine_run(tmp_path / "engine", [ours, EndEachEpochAfter2Steps()], **args)
+    run.predict(tiny_dataset(8, seed=1))
+    assert trainer.state.global_step == run.state.global_step == 6  # 3 epochs of 2 of their 16 steps
+    assert ("on_predict", 6) in theirs.events
+    assert ours.events == theirs.events
+
+
+def test_callback_states_restore_from_a_checkpoint_as_under_trainer(tmp_path):
+    args = dict(SHARED, gradient_accumulation_steps=1, max_steps=20, eval_steps=2, save_strategy="steps", save_steps=2,
+                load_best_model_at_end=True, metric_for_best_model="loss")
+    # the first evaluation is the best (a threshold no change reaches); patience 3 stops at step 8
+    trainer_run(tmp_path / "trainer", [EarlyStoppingCallback(3, 10.0)], **args)
+    engine_run(tmp_path / "engine", [EarlyStoppingCallback(3, 10.0)], **args)
+    stopped = {}
+    for restore in (True, False):
+        resume = dict(args, restore_callback_states_from_checkpoint=restore)
+        trainer = transformers.Trainer(
+            model=tiny_model(), train_dataset=tiny_dataset(), eval_dataset=tiny_dataset(8, seed=1),
+            data_collator=DataCollator(0), callbacks=[EarlyStoppingCallback(3, 10.0)],
+            args=transformers.TrainingArguments(output_dir=str(tmp_path / "trainer"), use_cpu=True, report_to="none",
+                                                remove_unused_columns=False, disable_tqdm=True, **resume))
+        trainer.train(resume_from_checkpoint=str(tmp_path / "trainer" / "checkpoint-4"))
+        run = engine_run(tmp_path / "engine", [EarlyStoppingCallback(3, 10.0)],
+                         resume_from_checkpoint=str(tmp_path / "engine" / "checkpoint-4"), **resume)
+        stopped[restore] = trainer.state.global_step, run.state.global_step
+    # restored, the patience counter (1 after step 4) goes on: stops at 8; afresh it counts again from 0
+    assert stopped == {True: (8, 8), False: (10, 10)}

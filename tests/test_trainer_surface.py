@@ -340,6 +340,22 @@ def test_logging_no_determinism_tf32_and_loader_options(tmp_path):
         Run({"train": {"torch_empty_cache_steps": 0}})
 
 
+def test_use_cache_is_set_on_the_model_config_as_trainer_sets_it(tmp_path):
+    import json
+
+    for use_cache in (False, True):
+        model = tiny_model()
+        model.config.use_cache = not use_cache
+        transformers.Trainer(model=model, args=transformers.TrainingArguments(
+            output_dir=str(tmp_path / "trainer"), use_cpu=True, report_to="none", use_cache=use_cache))
+        engine_model = tiny_model()
+        engine_model.config.use_cache = not use_cache
+        out = tmp_path / f"engine-{use_cache}"
+        run_steps(1, model=engine_model, output_dir=out, train={"use_cache": use_cache})
+        assert engine_model.config.use_cache is model.config.use_cache is use_cache
+        assert json.loads((out / "config.json").read_text())["use_cache"] is use_cache  # the saved model too
+
+
 STATE_FILES = ("optimizer.pt", "scheduler.pt", "rng_state.pth", "rng_state.pt", "engine_state.pt", "scaler.pt")
 
 
@@ -474,9 +490,9 @@ def test_sigterm_with_enable_jit_checkpoint_saves_and_resumes_like_an_uninterrup
 
 def test_a_trainingarguments_name_that_is_no_train_key_gets_the_tables_answer():
     with pytest.raises(ConfigError) as refused:
-        Run({"train": {"use_cache": False}})
-    assert str(refused.value).startswith("train.use_cache: not a [train] key; TrainingArguments.use_cache: "
-                                         "no counterpart yet")
+        Run({"train": {"local_rank": 0}})
+    assert str(refused.value).startswith("train.local_rank: not a [train] key; TrainingArguments.local_rank: "
+                                         "refused: the engine reads LOCAL_RANK")
     assert "did you mean" not in str(refused.value)
     with pytest.raises(ConfigError, match="train.neftune_noise_alpha: not a \\[train\\] key; .*provided by plugin "
                                           "neftune"):

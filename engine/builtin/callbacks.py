@@ -16,6 +16,7 @@ Trainer's events fire where Trainer fires them, in its order::
     log_metrics                     -> on_log (train logs, evaluations, the train summary)
     on_prediction_step              -> on_prediction_step
     on_evaluate                     -> on_evaluate
+    on_predict                      -> on_predict (Run.predict)
     on_checkpoint_saved             -> on_save
     on_epoch_end                    -> on_epoch_end
     on_train_end                    -> on_train_end
@@ -25,8 +26,9 @@ Callbacks get Trainer's ``args`` (a ``TrainingArguments`` built from ``[train]``
 ``DefaultFlowCallback`` sets at the intervals Trainer would, plus the keyword arguments
 Trainer passes (model, processing_class, optimizer, lr_scheduler, train_dataloader, ...).
 What a callback turns on in ``control`` is requested from the engine: ``should_training_stop``
-stops the run, ``should_save`` / ``should_evaluate`` / ``should_log`` save, evaluate, log after
-the current step. Turning off what the run's schedule asks for is not honoured: the schedule
+stops the run, ``should_epoch_stop`` ends the epoch, ``should_save`` / ``should_evaluate`` /
+``should_log`` save, evaluate, log after the current step. ``on_log`` fires on the main process
+only (the logging hooks do); what it requests is shared with the other processes at once. Turning off what the run's schedule asks for is not honoured: the schedule
 is the run's config. Callbacks with state (``ExportableState``, e.g. ``EarlyStoppingCallback``)
 are saved in checkpoints and restored with ``train.restore_callback_states_from_checkpoint``.
 """
@@ -42,7 +44,7 @@ from engine import hookimpl
 from engine.errors import ConfigError
 
 PLUGIN = "builtin.callbacks"
-FLAGS = ("should_training_stop", "should_save", "should_evaluate", "should_log")
+FLAGS = ("should_training_stop", "should_epoch_stop", "should_save", "should_evaluate", "should_log")
 # TrainingArguments keys the engine cannot always take over (a name only a plugin registers)
 _OPTIONAL_ARGS = ("optim", "optim_args", "optim_target_modules", "lr_scheduler_type", "lr_scheduler_kwargs")
 
@@ -121,6 +123,7 @@ class TrainerCallbacks:
         run.control.should_save |= "should_save" in turned_on
         run.control.should_evaluate |= "should_evaluate" in turned_on
         run.control.should_log |= "should_log" in turned_on
+        run.control.should_epoch_stop |= "should_epoch_stop" in turned_on
 
     # ------------------------------------------------------------------ hooks
 
@@ -203,6 +206,10 @@ class TrainerCallbacks:
     def on_evaluate(self, run, metrics):
         self.control.should_evaluate = False
         self._call("on_evaluate", metrics=metrics)
+
+    @hookimpl
+    def on_predict(self, run, metrics):
+        self._call("on_predict", metrics=metrics)
 
     @hookimpl
     def on_checkpoint_saved(self, run, path):

@@ -17,7 +17,7 @@ from engine.testing import logged_scalars, run_steps, tiny_dataset
 # metrics that differ between any two runs (times), and train_loss, which the engine averages over the
 # steps this process trained (after a resume: since the checkpoint), in metrics.jsonl too
 NOT_REPEATABLE = {"tokens_per_second", "step_time", "eval_runtime", "eval_samples_per_second", "train_runtime",
-                  "train_steps_per_second", "train_loss"}
+                  "train_steps_per_second", "train_tokens_per_second", "train_loss"}
 EVALUATED = {"eval_strategy": "steps", "eval_steps": 3}
 
 

@@ -2,15 +2,18 @@
 
 The local-first tracker: runs go into trackio's local store (``TRACKIO_DIR``, default
 ``~/.cache/huggingface/trackio``; ``trackio show`` opens its dashboard) or to a Hugging Face
-Space (``space_id``). trackio's own thread batches and writes the logs, so steps never wait.
-The run's name is kept in checkpoints, so a resumed training run continues the same run.
+Space (``space_id``, its data in a Hugging Face Bucket: ``bucket_id``, default derived from the
+Space). ``static_space_id``: after a successful run, a read-only static snapshot of the project is
+made from that Space (``trackio.freeze``), as Trainer's ``trackio_static_space_id`` does. trackio's
+own thread batches and writes the logs, so steps never wait. The run's name is kept in checkpoints,
+so a resumed training run continues the same run.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine import hookimpl, option
+from engine import ConfigError, hookimpl, option
 from engine.tracking import Tracker, scalar_metrics, tracker_run_name
 
 
@@ -20,6 +23,12 @@ class TrackioOptions:
     run_name: str | None = option(None, help="the run's name; default train.run_name or output_dir's name")
     space_id: str | None = option(None, help=(
         "log to this Hugging Face Space instead of the local store (TrainingArguments.trackio_space_id)"))
+    bucket_id: str | None = option(None, help=(
+        "the Hugging Face Bucket the Space keeps its data in; default: derived from space_id "
+        "(TrainingArguments.trackio_bucket_id)"))
+    static_space_id: str | None = option(None, help=(
+        "after a successful run, a static read-only snapshot Space of the project made from space_id "
+        "(trackio.freeze; TrainingArguments.trackio_static_space_id)"))
     group: str | None = option(None, help="group runs together in the dashboard")
     strict: bool = option(False, help="a tracking failure ends the run (default: reported, then switched off)")
 
@@ -32,6 +41,15 @@ class TrackioTracker(Tracker):
         self.trackio_run = None
 
     @hookimpl
+    def configure(self, run):
+        super().configure(run)
+        options = run.config.section("trackio")
+        for key in ("bucket_id", "static_space_id"):
+            if getattr(options, key) is not None and options.space_id is None:
+                # trackio would only warn and log locally
+                raise ConfigError(f"trackio.{key} is a Hugging Face Space's: set trackio.space_id too, or remove {key}")
+
+    @hookimpl
     def log_hyperparams(self, run, params):
         import trackio
 
@@ -39,7 +57,7 @@ class TrackioTracker(Tracker):
         resuming = self.run_id is not None
         self.trackio_run = trackio.init(
             project=options.project, name=self.run_id or options.run_name or tracker_run_name(run),
-            space_id=options.space_id, group=options.group, config=params, embed=False,
+            space_id=options.space_id, bucket_id=options.bucket_id, group=options.group, config=params, embed=False,
             resume="allow" if resuming else "never")
         self.run_id = self.trackio_run.name
 
@@ -53,3 +71,9 @@ class TrackioTracker(Tracker):
         if self.trackio_run is not None:
             trackio_run, self.trackio_run = self.trackio_run, None
             trackio_run.finish()
+            options = run.config.section("trackio")
+            if status == "success" and options.static_space_id is not None:
+                import trackio
+
+                trackio.freeze(space_id=options.space_id, project=options.project,
+                               new_space_id=options.static_space_id, bucket_id=options.bucket_id)

@@ -24,3 +24,16 @@ def test_config_and_metrics_read_back_from_the_local_store(tmp_path):
     config = SQLiteStorage.get_run_config("trackio-readback", "readback-run")
     hyperparams = json.loads((tmp_path / "hyperparams.json").read_text())
     assert {key: value for key, value in config.items() if not key.startswith("_")} == hyperparams
+
+
+def test_bucket_and_static_space_need_a_space():
+    import pytest
+
+    from engine import ConfigError, Run
+
+    for key in ("bucket_id", "static_space_id"):
+        with pytest.raises(ConfigError, match=f"trackio.{key} is a Hugging Face Space's: set trackio.space_id too"):
+            Run({"plugins": ["trackio"], "trackio": {key: "me/metrics"}})
+    # with a Space named, the run composes (creating the Space and Bucket needs the Hub: not run here)
+    Run({"plugins": ["trackio"], "trackio": {"space_id": "me/dash", "bucket_id": "me/metrics",
+                                             "static_space_id": "me/dash-static"}})
