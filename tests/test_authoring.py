@@ -1,6 +1,7 @@
 """Plugin authors' tools: ``engine plugins --check`` names each mistake; ``engine plugins new`` writes a
 package that installs, passes its own test and runs in a composed run."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -163,26 +164,25 @@ def test_each_hook_in_a_scaffold_carries_its_contract():
 
 @pytest.fixture(scope="module")
 def scaffolded(tmp_path_factory):
-    """One package per kind written by ``engine plugins new``, pip-installed (editable) into this
-    environment for the module's tests and uninstalled afterwards; and the result of running the
-    four generated test files (one pytest process for all of them)."""
+    """One package per kind written by ``engine plugins new``, pip-installed into a folder of their
+    own on sys.path (not into this environment, which tests running in parallel read), and the
+    result of running the four generated test files (one pytest process for all of them)."""
     parent = tmp_path_factory.mktemp("scaffold")
     folders = {}
     for kind in KINDS:
         name = f"scaffolded_{kind}"
         assert main(["plugins", "new", name, "--kind", kind, "--dir", str(parent)]) == 0
         folders[kind] = parent / f"engine-scaffolded-{kind}"
+    site = parent / "site"
     install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                              *[arg for folder in folders.values() for arg in ("-e", str(folder))]],
-                             capture_output=True, text=True)
+                              "--target", str(site), *map(str, folders.values())], capture_output=True, text=True)
     assert install.returncode == 0, install.stderr
-    # a fresh interpreter imports them as installed (this one started before their .pth files existed)
     own_tests = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA",
                                 *[str(folder / "tests") for folder in folders.values()]],
-                               cwd=parent, capture_output=True, text=True)
+                               cwd=parent, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(site)})
+    sys.path.insert(0, str(site))  # their distributions (entry points) and modules, for this module's tests
     yield folders, own_tests
-    subprocess.run([sys.executable, "-m", "pip", "uninstall", "-q", "-y",
-                    *[f"engine-scaffolded-{kind}" for kind in KINDS]], capture_output=True, check=True)
+    sys.path.remove(str(site))
 
 
 # each kind's composed run: [train] keys and sections
@@ -205,7 +205,6 @@ def test_a_scaffolded_plugin_passes_its_own_test_and_runs_composed(scaffolded, k
     assert own_tests.returncode == 0 and len(passed) == written >= 2, own_tests.stdout[-3000:]
     status, report, _ = _check(capfd, folder)
     assert status == 0 and report.rstrip().endswith("no problems found"), report
-    monkeypatch.syspath_prepend(str(folder))  # its entry point is installed; its module is in the folder
     train, sections = COMPOSED[kind]
     with caplog.at_level("INFO", logger="engine"):
         run = run_steps(2, plugins=[name, "lion"], output_dir=tmp_path, train=train, sections=sections,
