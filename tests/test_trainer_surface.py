@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from engine import Run
-from engine.data import DataCollator
+from engine.data import DataCollator, forward_columns, without_unused_columns
 from engine.errors import ConfigError
 from engine.testing import assert_same_state, run_steps, same_weights, tiny_dataset, tiny_model
 
@@ -481,3 +481,56 @@ def test_a_trainingarguments_name_that_is_no_train_key_gets_the_tables_answer():
     with pytest.raises(ConfigError, match="train.neftune_noise_alpha: not a \\[train\\] key; .*provided by plugin "
                                           "neftune"):
         Run({"train": {"neftune_noise_alpha": 5.0}})
+
+
+def _with_extra_columns(size, ragged=True):
+    """Token rows as a datasets.Dataset with an int and a string column that no model takes."""
+    import datasets
+
+    rows = tiny_dataset(size, ragged=ragged)
+    return datasets.Dataset.from_list([{"input_ids": rows[i]["input_ids"].tolist(), "idx": i, "source": f"doc {i}"}
+                                       for i in range(size)])
+
+
+def test_remove_unused_columns_as_trainer(tmp_path):
+    data, eval_rows = _with_extra_columns(16), list(_with_extra_columns(6, ragged=False))  # a list: the collator path
+    shared = dict(per_device_train_batch_size=4, per_device_eval_batch_size=4, learning_rate=1e-2, logging_steps=1,
+                  max_steps=3, data_seed=5, save_strategy="no", disable_tqdm=True)
+    keys, losses, evaluated = {}, {}, {}
+    for remove in (True, False):
+        for name in ("trainer", "engine"):
+            seen = keys.setdefault((name, remove), set())
+
+            def collator(features):
+                seen.update(features[0])
+                return DataCollator(0)(features)
+
+            folder = str(tmp_path / f"{name}-{remove}")
+            if name == "trainer":
+                runner = transformers.Trainer(
+                    model=tiny_model(), train_dataset=data, eval_dataset=eval_rows, data_collator=collator,
+                    args=transformers.TrainingArguments(output_dir=folder, use_cpu=True, report_to="none",
+                                                        remove_unused_columns=remove, **shared))
+            else:
+                runner = Run({"train": {"output_dir": folder, "remove_unused_columns": remove, **shared}},
+                             model=tiny_model(), train_dataset=data, eval_dataset=eval_rows, data_collator=collator)
+            if remove:  # trained and evaluated; without: the keys of a train and an eval batch
+                runner.train()
+                losses[name] = [entry["loss"] for entry in runner.state.log_history if "loss" in entry]
+                evaluated[name] = runner.evaluate()["eval_loss"]
+            elif name == "trainer":
+                next(iter(runner.get_train_dataloader()))
+                next(iter(runner.get_eval_dataloader()))
+            else:
+                runner.setup()
+                next(iter(runner.train_loader))
+                runner.evaluate()
+        assert keys["engine", remove] == keys["trainer", remove], remove
+    assert keys["engine", True] == {"input_ids"} and keys["engine", False] == {"input_ids", "idx", "source"}
+    assert len(losses["engine"]) == 3 and losses["engine"] == pytest.approx(losses["trainer"], abs=1e-4)
+    assert evaluated["engine"] == pytest.approx(evaluated["trainer"], abs=1e-5)
+    model = tiny_model()  # a dataset the engine does not tokenize that has no column the model takes
+    with pytest.raises(ConfigError, match="train.remove_unused_columns: no column of the train dataset "
+                                          "\\(idx, source\\) is an argument of LlamaForCausalLM.forward"):
+        without_unused_columns(data.remove_columns("input_ids"), DataCollator(0), forward_columns(model, ["labels"]),
+                               model, "train dataset")
