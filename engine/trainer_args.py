@@ -621,7 +621,7 @@ FIELDS: dict[str, Answer] = _named({
     "remove_unused_columns": accepted(note=(
         "for the train, evaluation and predict loaders: a datasets.Dataset loses the columns, other datasets' "
         "examples the keys (RemoveColumnsCollator) that the model's forward does not take, label_names, label "
-        "and label_ids kept; the data the engine tokenizes holds only model inputs")),
+        "and label_ids kept (before the collator, so what it adds stays)")),
     "label_names": accepted(),
     "train_sampling_strategy": accepted(convert=_sampling_strategy, note=(
         "'random', 'sequential' or 'group_by_length': Trainer's get_length_grouped_indices over the engine's "
