@@ -955,22 +955,24 @@ def forward_columns(model: torch.nn.Module, label_names: list[str]) -> list[str]
 def without_unused_columns(dataset: Any, collator: Callable[[list[Any]], Any], columns: list[str],
                            model: torch.nn.Module, key: str) -> tuple[Any, Callable[[list[Any]], Any]]:
     """``dataset`` and ``collator`` with the examples' keys outside ``columns`` dropped, as Trainer drops
-    them: a ``datasets.Dataset`` loses those columns, other datasets' examples lose them in a wrapper
-    around the collator (transformers' RemoveColumnsCollator)."""
+    them: a ``datasets.Dataset`` loses those columns (said once, for the train dataset: evaluation
+    loaders are made anew each time), other datasets' examples lose them in a wrapper around the
+    collator (transformers' RemoveColumnsCollator, which tells transformers' logger as under Trainer)."""
     import datasets
     from transformers.trainer_utils import RemoveColumnsCollator
 
     name = type(model).__name__
     if not isinstance(dataset, datasets.Dataset):
-        return dataset, RemoveColumnsCollator(collator, columns, logger, name, key)
+        return dataset, RemoveColumnsCollator(collator, columns, logging.getLogger("transformers.trainer"), name, key)
     unused = [column for column in dataset.column_names if column not in columns]
     if not unused:
         return dataset, collator
     if len(unused) == len(dataset.column_names):
         raise ConfigError(f"train.remove_unused_columns: no column of the {key} ({', '.join(unused)}) is an "
                           f"argument of {name}.forward; rename them, or set train.remove_unused_columns = false")
-    logger.info("%s: columns %s are no argument of %s.forward: left out (train.remove_unused_columns)",
-                key, ", ".join(unused), name)
+    logger.log(logging.INFO if key == "train dataset" else logging.DEBUG,
+               "%s: columns %s are no argument of %s.forward: left out (train.remove_unused_columns)",
+               key, ", ".join(unused), name)
     return dataset.remove_columns(unused), collator
 
 

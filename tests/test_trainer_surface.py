@@ -501,7 +501,7 @@ def test_remove_unused_columns_as_trainer(tmp_path):
         for name in ("trainer", "engine"):
             seen = keys.setdefault((name, remove), set())
 
-            def collator(features):
+            def collator(features, seen=seen):
                 seen.update(features[0])
                 return DataCollator(0)(features)
 
@@ -607,8 +607,8 @@ def test_bad_sampling_and_column_values_are_one_line_errors(capfd):
 
     for setting, fragment in (
             ("train.train_sampling_strategy=batch_rebalance",
-             "train.train_sampling_strategy: expected 'random' | 'sequential' | 'group_by_length', got str "
-             "'batch_rebalance'"),
+             ("train.train_sampling_strategy: expected 'random' | 'sequential' | 'group_by_length', got str "
+              "'batch_rebalance'")),
             ("train.eval_accumulation_steps=0", "train.eval_accumulation_steps: expected int >= 1, got 0"),
             ("train.remove_unused_columns=1", "train.remove_unused_columns: expected bool, got int 1"),
             ("train.length_column_name=''", "train.length_column_name: expected a non-empty string")):
