@@ -328,7 +328,7 @@ class Run:
         if train.train_sampling_strategy == "group_by_length":
             if isinstance(dataset, torch.utils.data.IterableDataset):
                 logger.warning("train.train_sampling_strategy = 'group_by_length': the train dataset is an "
-                               "IterableDataset, read in its own order (as Trainer)")
+                               "IterableDataset, so its examples are not grouped by length (as Trainer)")
             else:  # the lengths are read before remove_unused_columns drops a length column
                 from .data import example_lengths
 

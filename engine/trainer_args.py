@@ -468,9 +468,10 @@ def check_train_keys(train: Any) -> None:
 
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     for key in train if isinstance(train, dict) else ():
-        answer = FIELDS.get(key) or LEGACY.get(key)
+        answer = answer_for(key)
         if key not in known and answer is not None:
-            raise ConfigError(f"train.{key}: not a [train] key; TrainingArguments.{key}: {answer.describe(key)}")
+            owner = "Seq2SeqTrainingArguments" if key in SEQ2SEQ_FIELDS else "TrainingArguments"
+            raise ConfigError(f"train.{key}: not a [train] key; {owner}.{key}: {answer.describe(key)}")
 
 
 def accepted(*keys: str, note: str = "", convert: Callable[..., None] | None = None) -> Answer:

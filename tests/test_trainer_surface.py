@@ -481,6 +481,13 @@ def test_a_trainingarguments_name_that_is_no_train_key_gets_the_tables_answer():
     with pytest.raises(ConfigError, match="train.neftune_noise_alpha: not a \\[train\\] key; .*provided by plugin "
                                           "neftune"):
         Run({"train": {"neftune_noise_alpha": 5.0}})
+    with pytest.raises(ConfigError, match="train.sortish_sampler: not a \\[train\\] key; Seq2SeqTrainingArguments"
+                                          ".sortish_sampler: the engine always does what Trainer's default does: "
+                                          "Seq2SeqTrainer reads it nowhere"):
+        Run({"train": {"sortish_sampler": True}})
+    with pytest.raises(ConfigError, match="train.group_by_length: not a \\[train\\] key; .*accepted as \\[train\\] "
+                                          "train_sampling_strategy"):
+        Run({"train": {"group_by_length": True}})
 
 
 def _with_extra_columns(size, ragged=True):
