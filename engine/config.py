@@ -181,8 +181,8 @@ class TrainConfig:
         "call compute_metrics after each evaluation batch (tensors; compute_result=True after the last, whose "
         "answer are the metrics) instead of once on every prediction kept in memory"))
     eval_accumulation_steps: int | None = option(None, min=1, help=(
-        "accepted for Trainer's runs: the engine moves every evaluation batch's predictions to the CPU as it "
-        "comes (Trainer's value 1), so any value gives the same predictions and metrics"))
+        "Trainer's: move evaluation predictions to the CPU every N batches; the engine moves each batch's as it "
+        "comes (Trainer's 1), which gives the same predictions and metrics as any N"))
     prediction_loss_only: bool = option(False, help="evaluation returns the loss only (no compute_metrics)")
     compute_metrics: str | None = option(None, help=(
         "'package.module:function' taking an EvalPrediction and returning a dict of floats"))
