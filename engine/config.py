@@ -183,6 +183,9 @@ class TrainConfig:
     batch_eval_metrics: bool = option(False, help=(
         "call compute_metrics after each evaluation batch (tensors; compute_result=True after the last, whose "
         "answer are the metrics) instead of once on every prediction kept in memory"))
+    eval_accumulation_steps: int | None = option(None, min=1, help=(
+        "Trainer's: move evaluation predictions to the CPU every N batches; the engine moves each batch's as it "
+        "comes (Trainer's 1), which gives the same predictions and metrics as any N"))
     prediction_loss_only: bool = option(False, help="evaluation returns the loss only (no compute_metrics)")
     compute_metrics: str | None = option(None, help=(
         "'package.module:function' taking an EvalPrediction and returning a dict of floats"))
@@ -224,8 +227,16 @@ class TrainConfig:
     fp16_full_eval: bool = option(False, help=(
         "evaluate and predict outside training with the model cast to float16 (it stays so; as Trainer)"))
     tf32: bool | None = option(None, help="allow TF32 matmuls and convolutions on Ampere+ GPUs (default: torch's)")
-    train_sampling_strategy: Literal["random", "sequential"] = option("random", help=(
-        "order of the training examples: a seeded shuffle each epoch, or the dataset's order"))
+    train_sampling_strategy: Literal["random", "sequential", "group_by_length"] = option("random", help=(
+        "order of the training examples: a seeded shuffle each epoch, the dataset's order, or 'group_by_length': "
+        "that shuffle grouped into batches of similar length, longest first (less padding; Trainer's "
+        "LengthGroupedSampler algorithm)"))
+    length_column_name: str = option("length", nonempty=True, help=(
+        "group_by_length: the dataset column holding each example's length (default: the length of its "
+        "input_ids, or of the tokenizer's first model input)"))
+    remove_unused_columns: bool = option(True, help=(
+        "drop the columns (keys) of the examples that the model's forward does not take (label_names, label and "
+        "label_ids kept) before the collator sees them, as Trainer"))
     disable_tqdm: bool = option(False, help="no console progress bar")
     skip_memory_metrics: bool = option(True, help=(
         "false: train/eval/test metrics get Trainer's memory figures ({stage}_mem_cpu_alloc_delta, "

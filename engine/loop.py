@@ -574,6 +574,7 @@ def _evaluate_one(run: Run, dataset: Any, prefix: str, want_predictions: bool) -
     """
 
     strategy, model, train_cfg = run.strategy, run.wrapped_model, run.config.train
+    dataset, collator = run.loader_data(dataset, f"{prefix} dataset")
     sampler = None
     length = 0
     if not isinstance(dataset, torch.utils.data.IterableDataset):
@@ -582,7 +583,7 @@ def _evaluate_one(run: Run, dataset: Any, prefix: str, want_predictions: bool) -
         # so up to world_size - 1 samples repeat at the end: their labels are masked below
         sampler = EpochSampler(length, 0, False, strategy.rank, strategy.world_size)
     loader = torch.utils.data.DataLoader(dataset, batch_size=train_cfg.per_device_eval_batch_size,
-                                         sampler=sampler, collate_fn=run.data_collator, **run.loader_options(),
+                                         sampler=sampler, collate_fn=collator, **run.loader_options(),
                                          generator=torch.Generator().manual_seed(train_cfg.seed))
     compute_loss, on_prediction_step = run.hook.compute_loss, run.hook.on_prediction_step
     total = len(loader) if sampler is not None else None

@@ -327,6 +327,17 @@ class Run:
         train = self.config.train
         dataset = self.train_dataset
         sampler = None
+        lengths = None
+        if train.train_sampling_strategy == "group_by_length":
+            if isinstance(dataset, torch.utils.data.IterableDataset):
+                logger.warning("train.train_sampling_strategy = 'group_by_length': the train dataset is an "
+                               "IterableDataset, so its examples are not grouped by length (as Trainer)")
+            else:  # the lengths are read before remove_unused_columns drops a length column
+                from .data import example_lengths
+
+                input_name = (getattr(self.tokenizer, "model_input_names", None) or ["input_ids"])[0]
+                lengths = example_lengths(dataset, train.length_column_name, input_name)
+        dataset, collator = self.loader_data(dataset, "train dataset")
         if not isinstance(dataset, torch.utils.data.IterableDataset):
             try:
                 length = len(dataset)
@@ -341,16 +352,27 @@ class Run:
                                   "lower it, or give more data")
             data_seed = train.data_seed if train.data_seed is not None else train.seed
             sampler = EpochSampler(length, data_seed, train.train_sampling_strategy == "random",
-                                   self.strategy.rank, self.strategy.world_size)
+                                   self.strategy.rank, self.strategy.world_size, lengths,
+                                   train.per_device_train_batch_size * train.gradient_accumulation_steps)
         elif train.max_steps <= 0:
             raise ConfigError("train.max_steps: an IterableDataset has no length; set train.max_steps > 0")
         return torch.utils.data.DataLoader(
             dataset, batch_size=train.per_device_train_batch_size, sampler=sampler,
-            collate_fn=self.data_collator, drop_last=train.dataloader_drop_last, **self.loader_options(),
+            collate_fn=collator, drop_last=train.dataloader_drop_last, **self.loader_options(),
             # its own generator: starting an iterator must not draw from the global RNG, or a
             # resumed run (which starts one mid-epoch) would see different dropout masks
             generator=torch.Generator().manual_seed(train.seed),
         )
+
+    def loader_data(self, dataset: Any, key: str) -> tuple[Any, Callable[[list[Any]], Any]]:
+        """The dataset and collator a loader of ``dataset`` uses: the examples' keys that the model's forward
+        does not take left out (``train.remove_unused_columns``, as Trainer)."""
+        if not self.config.train.remove_unused_columns:
+            return dataset, self.data_collator
+        from .data import forward_columns, without_unused_columns
+
+        return without_unused_columns(dataset, self.data_collator, forward_columns(self.model, self.label_names),
+                                      self.model, key)
 
     def loader_options(self) -> dict[str, Any]:
         """The DataLoader arguments ``[train] dataloader_*`` set, for the train and evaluation loaders."""

@@ -58,11 +58,18 @@ class EpochSampler(torch.utils.data.Sampler[int]):
 
     The order of epoch e depends only on seed and e, so a resumed run can skip exactly the
     samples it already saw (``start``) instead of replaying the data loader.
+
+    ``lengths`` (one per example) groups the shuffled order by length with Trainer's
+    ``get_length_grouped_indices``: the same shuffled order cut into megabatches of
+    ``min(50, length // (4 * group_size))`` (at least 1) x ``group_size`` examples, each sorted longest
+    first, the longest example of all moved to the front.
     """
 
-    def __init__(self, length: int, seed: int, shuffle: bool = True, rank: int = 0, world_size: int = 1):
+    def __init__(self, length: int, seed: int, shuffle: bool = True, rank: int = 0, world_size: int = 1,
+                 lengths: list[int] | None = None, group_size: int = 1):
         self.length, self.seed, self.shuffle = length, seed, shuffle
         self.rank, self.world_size = rank, world_size
+        self.lengths, self.group_size = lengths, group_size
         self.epoch = 0
         self.start = 0
         self.per_rank = math.ceil(length / world_size)
@@ -71,7 +78,12 @@ class EpochSampler(torch.utils.data.Sampler[int]):
         self.epoch, self.start = epoch, start
 
     def __iter__(self) -> Iterator[int]:
-        if self.shuffle:
+        if self.lengths is not None:
+            from transformers.trainer_pt_utils import get_length_grouped_indices
+
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = get_length_grouped_indices(self.lengths, self.group_size, generator=generator)
+        elif self.shuffle:
             generator = torch.Generator().manual_seed(self.seed + self.epoch)
             order = torch.randperm(self.length, generator=generator).tolist()
         else:

@@ -206,6 +206,22 @@ def _optim(c: Conversion, name: str, value: Any) -> None:
     c.set("train.optim", value)
 
 
+_BATCH_REBALANCE = ("'batch_rebalance' is refused: it deals whole batches out across processes and accumulation "
+                    "steps by token count, which the engine's per-example, resumable sampler does not do")
+
+
+def _sampling_strategy(c: Conversion, name: str, value: Any) -> None:
+    if value == "batch_rebalance":
+        raise ConfigError(_BATCH_REBALANCE)
+    _write(c, name, value)
+
+
+def _group_by_length(c: Conversion, name: str, value: Any) -> None:
+    """The older boolean that train_sampling_strategy = 'group_by_length' replaced."""
+    if value:
+        c.set("train.train_sampling_strategy", "group_by_length")
+
+
 def _include_inputs(c: Conversion, name: str, value: Any) -> None:
     """The older boolean that include_for_metrics replaced."""
     if value:
@@ -457,9 +473,10 @@ def check_train_keys(train: Any) -> None:
 
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     for key in train if isinstance(train, dict) else ():
-        answer = FIELDS.get(key) or LEGACY.get(key)
+        answer = answer_for(key)
         if key not in known and answer is not None:
-            raise ConfigError(f"train.{key}: not a [train] key; TrainingArguments.{key}: {answer.describe(key)}")
+            owner = "Seq2SeqTrainingArguments" if key in SEQ2SEQ_FIELDS else "TrainingArguments"
+            raise ConfigError(f"train.{key}: not a [train] key; {owner}.{key}: {answer.describe(key)}")
 
 
 def accepted(*keys: str, note: str = "", convert: Callable[..., None] | None = None) -> Answer:
@@ -570,7 +587,10 @@ FIELDS: dict[str, Answer] = _named({
     "eval_on_start": accepted(),
     "eval_do_concat_batches": builtin("evaluation concatenates the batches' predictions and labels"),
     "eval_use_gather_object": builtin("evaluation gathers every process's predictions with gather_object, in order"),
-    "eval_accumulation_steps": not_yet("predictions move to the CPU batch by batch"),
+    "eval_accumulation_steps": accepted(note=(
+        "checked (an int >= 1), with the same results whatever its value: the engine moves each evaluation "
+        "batch's predictions, labels, inputs and losses to the CPU as it comes, as Trainer does with 1; a larger "
+        "value (or none) only keeps them on the device longer, and their concatenation is the same")),
     "include_for_metrics": accepted(),
     "batch_eval_metrics": accepted(note="one process only so far"),
     "save_only_model": accepted(note="such a checkpoint is refused by resume_from_checkpoint"),
@@ -608,11 +628,20 @@ FIELDS: dict[str, Answer] = _named({
     "dataloader_prefetch_factor": accepted(),
     "dataloader_multiprocessing_context": accepted(),
     "dataloader_in_order": accepted(),
-    "remove_unused_columns": not_yet("the engine's data pipeline builds the model's inputs itself"),
+    "remove_unused_columns": accepted(note=(
+        "for the train, evaluation and predict loaders: a datasets.Dataset loses the columns, other datasets' "
+        "examples the keys (RemoveColumnsCollator) that the model's forward does not take, label_names, label "
+        "and label_ids kept (before the collator, so what it adds stays)")),
     "label_names": accepted(),
-    "train_sampling_strategy": accepted(note="'random' or 'sequential'; group_by_length and batch_rebalance have "
-                                             "no counterpart yet"),
-    "length_column_name": not_yet("used by group_by_length / batch_rebalance sampling, which the engine lacks"),
+    "train_sampling_strategy": accepted(convert=_sampling_strategy, note=(
+        "'random', 'sequential' or 'group_by_length': Trainer's get_length_grouped_indices over the engine's "
+        "shuffle, seeded by data_seed and the epoch, so a resume is exact (Trainer draws its shuffle from the "
+        "global RNG, which data_seed does not seed: its order differs); evaluation keeps the dataset's order "
+        "(Trainer groups it too). " + _BATCH_REBALANCE)),
+    "length_column_name": accepted(note=(
+        "group_by_length: read before remove_unused_columns drops it (Trainer 5.24 reads it after, so only with "
+        "remove_unused_columns = false or a forward taking it); without it, the length of each example's "
+        "input_ids (the tokenizer's first model input)")),
     "ddp_find_unused_parameters": plugin("ddp", "find_unused_parameters", convert=_ddp_option, note=_DDP_NOTE),
     "ddp_bucket_cap_mb": plugin("ddp", "bucket_cap_mb", convert=_ddp_option, note=_DDP_NOTE),
     "ddp_broadcast_buffers": plugin("ddp", "broadcast_buffers", convert=_ddp_option, note=_DDP_NOTE),
@@ -667,7 +696,9 @@ LEGACY: dict[str, Answer] = _named({
                                                       legacy_defaults=(False,)),
     "include_tokens_per_second": Answer(BUILTIN, legacy_defaults=(False,), note=(
         "always measured: tokens_per_second at each log step, train_tokens_per_second in the final metrics")),
-    "group_by_length": Answer(NOT_YET, legacy_defaults=(False,), note="no length-grouped sampler"),
+    "group_by_length": dataclasses.replace(accepted("train_sampling_strategy", convert=_group_by_length,
+                                                    note="true: train_sampling_strategy = 'group_by_length'"),
+                                           legacy_defaults=(False,)),
     "half_precision_backend": Answer(REFUSED, legacy_defaults=("auto",), note="mixed precision is torch.autocast"),
     "fp16_backend": Answer(REFUSED, legacy_defaults=("auto",), note="mixed precision is torch.autocast"),
     "fp16_opt_level": Answer(REFUSED, legacy_defaults=("O1",), note="apex is not supported; fp16 is torch.autocast"),
@@ -689,7 +720,9 @@ LEGACY: dict[str, Answer] = _named({
 
 # the fields Seq2SeqTrainingArguments adds (a Seq2SeqTrainer run: train.task = "seq2seq")
 SEQ2SEQ_FIELDS: dict[str, Answer] = _named({
-    "sortish_sampler": not_yet("no length-sorted sampler: examples come in a seeded random order"),
+    "sortish_sampler": builtin("Seq2SeqTrainer reads it nowhere (transformers 5.24: only the field is left), so "
+                               "true changes nothing under Trainer either; batches of similar length: "
+                               "train_sampling_strategy = 'group_by_length'"),
     "predict_with_generate": accepted(note="evaluation's compute_metrics gets generate()'s token ids"),
     "generation_max_length": accepted(),
     "generation_num_beams": accepted(),

@@ -137,6 +137,22 @@ def test_seq2seq_training_arguments_convert_their_generation_fields():
     assert "sortish_sampler = true" in migration.report() and "generation_config" not in train
 
 
+def test_sampling_and_column_fields_convert():
+    arguments = TrainingArguments(output_dir="out/s", train_sampling_strategy="group_by_length", length_column_name="n",
+                                  remove_unused_columns=False, eval_accumulation_steps=4, report_to="none")
+    train = tomllib.loads(engine.migrate(arguments).toml())["train"]
+    assert {key: train[key] for key in ("train_sampling_strategy", "length_column_name", "remove_unused_columns",
+                                        "eval_accumulation_steps")} == {
+        "train_sampling_strategy": "group_by_length", "length_column_name": "n", "remove_unused_columns": False,
+        "eval_accumulation_steps": 4}
+    rebalance = engine.migrate(TrainingArguments(output_dir="out/r", train_sampling_strategy="batch_rebalance",
+                                                 report_to="none"))
+    assert "train_sampling_strategy" not in tomllib.loads(rebalance.toml())["train"]
+    assert 'train_sampling_strategy = "batch_rebalance": \'batch_rebalance\' is refused' in rebalance.report()
+    older = engine.migrate({"output_dir": "out/o", "group_by_length": True})
+    assert tomllib.loads(older.toml())["train"]["train_sampling_strategy"] == "group_by_length"
+
+
 # ---------------------------------------------------------------------------- realistic runs
 
 

@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from engine import Run
-from engine.data import DataCollator
+from engine.data import DataCollator, forward_columns, without_unused_columns
 from engine.errors import ConfigError
 from engine.testing import assert_same_state, run_steps, same_weights, tiny_dataset, tiny_model
 
@@ -497,3 +497,166 @@ def test_a_trainingarguments_name_that_is_no_train_key_gets_the_tables_answer():
     with pytest.raises(ConfigError, match="train.neftune_noise_alpha: not a \\[train\\] key; .*provided by plugin "
                                           "neftune"):
         Run({"train": {"neftune_noise_alpha": 5.0}})
+    with pytest.raises(ConfigError, match="train.sortish_sampler: not a \\[train\\] key; Seq2SeqTrainingArguments"
+                                          ".sortish_sampler: the engine always does what Trainer's default does: "
+                                          "Seq2SeqTrainer reads it nowhere"):
+        Run({"train": {"sortish_sampler": True}})
+    with pytest.raises(ConfigError, match="train.group_by_length: not a \\[train\\] key; .*accepted as \\[train\\] "
+                                          "train_sampling_strategy"):
+        Run({"train": {"group_by_length": True}})
+
+
+def _with_extra_columns(size, ragged=True):
+    """Token rows as a datasets.Dataset with an int and a string column that no model takes."""
+    import datasets
+
+    rows = tiny_dataset(size, ragged=ragged)
+    return datasets.Dataset.from_list([{"input_ids": rows[i]["input_ids"].tolist(), "idx": i, "source": f"doc {i}"}
+                                       for i in range(size)])
+
+
+def test_remove_unused_columns_as_trainer(tmp_path):
+    data, eval_rows = _with_extra_columns(16), list(_with_extra_columns(6, ragged=False))  # a list: the collator path
+    shared = dict(per_device_train_batch_size=4, per_device_eval_batch_size=4, learning_rate=1e-2, logging_steps=1,
+                  max_steps=3, data_seed=5, save_strategy="no", disable_tqdm=True)
+    keys, losses, evaluated = {}, {}, {}
+    for remove in (True, False):
+        for name in ("trainer", "engine"):
+            seen = keys.setdefault((name, remove), set())
+
+            def collator(features, seen=seen):
+                seen.update(features[0])
+                return DataCollator(0)(features)
+
+            folder = str(tmp_path / f"{name}-{remove}")
+            if name == "trainer":
+                runner = transformers.Trainer(
+                    model=tiny_model(), train_dataset=data, eval_dataset=eval_rows, data_collator=collator,
+                    args=transformers.TrainingArguments(output_dir=folder, use_cpu=True, report_to="none",
+                                                        remove_unused_columns=remove, **shared))
+            else:
+                runner = Run({"train": {"output_dir": folder, "remove_unused_columns": remove, **shared}},
+                             model=tiny_model(), train_dataset=data, eval_dataset=eval_rows, data_collator=collator)
+            if remove:  # trained and evaluated; without: the keys of a train and an eval batch
+                runner.train()
+                losses[name] = [entry["loss"] for entry in runner.state.log_history if "loss" in entry]
+                evaluated[name] = runner.evaluate()["eval_loss"]
+            elif name == "trainer":
+                next(iter(runner.get_train_dataloader()))
+                next(iter(runner.get_eval_dataloader()))
+            else:
+                runner.setup()
+                next(iter(runner.train_loader))
+                runner.evaluate()
+        assert keys["engine", remove] == keys["trainer", remove], remove
+    assert keys["engine", True] == {"input_ids"} and keys["engine", False] == {"input_ids", "idx", "source"}
+    assert len(losses["engine"]) == 3 and losses["engine"] == pytest.approx(losses["trainer"], abs=1e-4)
+    assert evaluated["engine"] == pytest.approx(evaluated["trainer"], abs=1e-5)
+    model = tiny_model()  # a dataset the engine does not tokenize that has no column the model takes
+    with pytest.raises(ConfigError, match="train.remove_unused_columns: no column of the train dataset "
+                                          "\\(idx, source\\) is an argument of LlamaForCausalLM.forward"):
+        without_unused_columns(data.remove_columns("input_ids"), DataCollator(0), forward_columns(model, ["labels"]),
+                               model, "train dataset")
+
+
+def test_group_by_length_is_trainers_grouping_of_a_seeded_shuffle(tmp_path):
+    from transformers.trainer_pt_utils import get_length_grouped_indices
+
+    rows = tiny_dataset(48, ragged=True)
+    data = [{"input_ids": rows[i]["input_ids"], "idx": i} for i in range(48)]  # DataCollator stacks idx
+    lengths = [len(row["input_ids"]) for row in data]
+    train = {"train_sampling_strategy": "group_by_length", "per_device_train_batch_size": 4, "seed": 7}
+
+    # Trainer shuffles with the global RNG (data_seed does not seed it): at the first epoch, the state
+    # set_seed(seed) left, after the DataLoader drew its base seed from it
+    trainer = transformers.Trainer(
+        model=tiny_model(), train_dataset=data, data_collator=DataCollator(0),
+        args=transformers.TrainingArguments(output_dir=str(tmp_path / "trainer"), use_cpu=True, report_to="none",
+                                            remove_unused_columns=False, data_seed=5, **train))
+    theirs = torch.cat([batch["idx"] for batch in trainer.get_train_dataloader()]).tolist()
+    generator = torch.Generator().manual_seed(7)
+    torch.empty((), dtype=torch.int64).random_(generator=generator)
+    assert theirs == get_length_grouped_indices(lengths, 4, generator=generator)
+
+    # the engine: the same grouping of its own shuffle, seeded by data_seed + epoch; batch x accumulation per group
+    def engine_order(epoch, **values):
+        run = Run({"train": {**train, "output_dir": str(tmp_path / "engine"), "remove_unused_columns": False,
+                             **values}}, model=tiny_model(), train_dataset=data, data_collator=DataCollator(0))
+        run.setup()
+        run.train_loader.sampler.set_epoch(epoch)
+        return torch.cat([batch["idx"] for batch in run.train_loader]).tolist()
+
+    first = engine_order(0, data_seed=5, gradient_accumulation_steps=2)
+    for epoch, order in ((0, first), (1, engine_order(1, data_seed=5, gradient_accumulation_steps=2))):
+        assert order == get_length_grouped_indices(lengths, 8, generator=torch.Generator().manual_seed(5 + epoch))
+        assert sorted(order) == list(range(48))  # every example once per epoch
+        assert lengths[order[0]] == max(lengths)  # the longest first
+        for start in range(0, 48, 8):  # 48 // (4 * 8) = 1 batch of 8 per megabatch, sorted longest first
+            megabatch = [lengths[i] for i in order[start:start + 8]][1 if start == 0 else 0:]
+            assert megabatch == sorted(megabatch, reverse=True)
+    assert engine_order(0, data_seed=5, gradient_accumulation_steps=2) == first  # deterministic
+    assert engine_order(0, data_seed=6, gradient_accumulation_steps=2) != first
+    assert engine_order(0, data_seed=5) == get_length_grouped_indices(  # megabatches of 48 // 16 = 3 batches of 4
+        lengths, 4, generator=torch.Generator().manual_seed(5))
+
+
+def test_group_by_length_resumes_exactly_and_reads_the_length_column(tmp_path):
+    import datasets
+    from transformers.trainer_pt_utils import get_length_grouped_indices
+
+    from engine.testing import assert_resume_is_exact
+
+    train = {"train_sampling_strategy": "group_by_length", "data_seed": 3}
+    assert_resume_is_exact(6, 3, tmp_path, train=train, dataset=tiny_dataset(16, ragged=True))  # over an epoch's end
+
+    rows = tiny_dataset(12, ragged=True)
+    sizes = list(range(12, 0, -1))
+    data = datasets.Dataset.from_dict({"input_ids": [rows[i]["input_ids"].tolist() for i in range(12)], "size": sizes})
+    run = Run({"train": {**train, "length_column_name": "size", "per_device_train_batch_size": 4,
+                         "output_dir": str(tmp_path / "column")}},
+              model=tiny_model(), train_dataset=data, data_collator=DataCollator(0))
+    run.setup()
+    assert run.train_loader.sampler.lengths == sizes  # read before remove_unused_columns drops the column
+    assert set(next(iter(run.train_loader))) == {"input_ids", "labels", "attention_mask"}
+    order = list(run.train_loader.sampler)
+    assert order[0] == 0 and order == get_length_grouped_indices(sizes, 4, generator=torch.Generator().manual_seed(3))
+
+
+def test_bad_sampling_and_column_values_are_one_line_errors(capfd):
+    import subprocess
+
+    from engine.cli import main
+    from engine.testing import assert_one_line_error
+
+    for setting, fragment in (
+            ("train.train_sampling_strategy=batch_rebalance",
+             ("train.train_sampling_strategy: expected 'random' | 'sequential' | 'group_by_length', got str "
+              "'batch_rebalance'")),
+            ("train.eval_accumulation_steps=0", "train.eval_accumulation_steps: expected int >= 1, got 0"),
+            ("train.remove_unused_columns=1", "train.remove_unused_columns: expected bool, got int 1"),
+            ("train.length_column_name=''", "train.length_column_name: expected a non-empty string")):
+        status = main(["plan", "--set", setting])
+        captured = capfd.readouterr()
+        assert_one_line_error(subprocess.CompletedProcess(["engine"], status, captured.out, captured.err), fragment)
+
+
+def test_eval_accumulation_steps_gives_trainers_metrics(tmp_path):
+    def metrics(prediction):  # ragged rows: batches of other widths, padded when concatenated
+        predictions, labels = prediction
+        return {**_accuracy((predictions.argmax(-1), labels)), "padded": int((labels == -100).sum()),
+                "logits_sum": float(numpy.abs(predictions[predictions != -100]).sum())}
+
+    data = tiny_dataset(10, seed=3, ragged=True)  # batches of 4, 4 and 2
+    trainer = transformers.Trainer(
+        model=tiny_model(), eval_dataset=data, data_collator=DataCollator(0), compute_metrics=metrics,
+        args=transformers.TrainingArguments(output_dir=str(tmp_path / "trainer"), per_device_eval_batch_size=4,
+                                            eval_accumulation_steps=2, use_cpu=True, report_to="none"))
+    theirs = trainer.evaluate()
+    for steps in (2, None):
+        ours = Run({"train": {"per_device_eval_batch_size": 4, "eval_accumulation_steps": steps,
+                              "output_dir": str(tmp_path / "engine")}},
+                   model=tiny_model(), train_dataset=tiny_dataset(), eval_dataset=data, data_collator=DataCollator(0),
+                   compute_metrics=metrics).evaluate()
+        assert (ours["eval_accuracy"], ours["eval_padded"]) == (theirs["eval_accuracy"], theirs["eval_padded"])
+        assert ours["eval_logits_sum"] == pytest.approx(theirs["eval_logits_sum"], rel=1e-6)
+    assert theirs["eval_padded"] > 0

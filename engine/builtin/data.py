@@ -21,7 +21,7 @@ def create_datasets(run):
 
     train = run.config.train
     return build_datasets(run.config.data, run.tokenizer, train.seed,
-                          shuffle=train.train_sampling_strategy == "random",
+                          shuffle=train.train_sampling_strategy != "sequential",  # a stream: shuffled, never grouped
                           rank=run.strategy.rank, world_size=run.strategy.world_size,
                           task=run.task, label2id=label_ids_by_name(train))
 
