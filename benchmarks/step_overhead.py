@@ -8,7 +8,12 @@ number of steps by
 * ``plain``   a hand-written loop: DataLoader, ``model(**batch).loss``, backward,
               ``clip_grad_norm_``, ``optimizer.step``, ``scheduler.step``, ``zero_grad``;
 * ``engine``  ``engine.Run({"train": ...}, model=..., train_dataset=...).train()``, builtins only;
-* ``trainer`` ``transformers.Trainer(...).train()``.
+* ``trainer`` ``transformers.Trainer(...).train()``;
+* ``callbacks`` the engine given one TrainerCallback that does nothing (the adapter dispatching
+              every Trainer event; without callbacks the adapter is not registered at all).
+
+The model's ``config.use_cache`` is off for all (Trainer and the engine turn it off; a training
+forward has no use for the key/value cache).
 
 Measured per contender and round:
 
@@ -73,7 +78,7 @@ from engine_clock import StepClock
 LEARNING_RATE = 1e-3
 MAX_GRAD_NORM = 1.0
 SEED = 42
-CONTENDERS = ("plain", "engine", "trainer")
+CONTENDERS = ("plain", "engine", "trainer", "callbacks")
 
 
 @dataclass
@@ -107,7 +112,7 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     config = transformers.LlamaConfig(
         vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
         num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=args.seq_len)
+        max_position_embeddings=args.seq_len, use_cache=False)
     return transformers.LlamaForCausalLM(config)
 
 
@@ -154,8 +159,8 @@ def run_plain(model, dataset, collator, args, output_dir) -> Result:
     return result
 
 
-def run_engine(model, dataset, collator, args, output_dir) -> Result:
-    result = Result("engine", time.perf_counter())
+def run_engine(model, dataset, collator, args, output_dir, callbacks=None) -> Result:
+    result = Result("engine" if callbacks is None else "callbacks", time.perf_counter())
     run = engine.Run(
         {"train": {
             "output_dir": output_dir, "max_steps": args.steps, "per_device_train_batch_size": args.batch_size,
@@ -164,10 +169,18 @@ def run_engine(model, dataset, collator, args, output_dir) -> Result:
             "logging_steps": args.steps, "save_strategy": "no", "eval_strategy": "no",
             "disable_tqdm": not args.bar, "use_cpu": True, "dataloader_num_workers": 0,
         }, "data": {"max_length": args.seq_len}},
-        model=model, train_dataset=dataset, data_collator=collator, plugins=[StepClock(result.stamps)])
+        model=model, train_dataset=dataset, data_collator=collator, plugins=[StepClock(result.stamps)],
+        callbacks=callbacks)
     summary = run.train()
     result.train_loss = summary["train_loss"]
     return result
+
+
+def run_engine_with_a_callback(model, dataset, collator, args, output_dir) -> Result:
+    """The engine with the TrainerCallback adapter loaded for one callback that does nothing: every
+    Trainer event dispatched (DefaultFlowCallback's included). Without callbacks the adapter is not
+    registered at all, so ``engine`` above is the run that has it loaded and unused."""
+    return run_engine(model, dataset, collator, args, output_dir, callbacks=[transformers.TrainerCallback()])
 
 
 def run_trainer(model, dataset, collator, args, output_dir) -> Result:
@@ -189,7 +202,7 @@ def run_trainer(model, dataset, collator, args, output_dir) -> Result:
     return result
 
 
-RUNNERS = {"plain": run_plain, "engine": run_engine, "trainer": run_trainer}
+RUNNERS = {"plain": run_plain, "engine": run_engine, "trainer": run_trainer, "callbacks": run_engine_with_a_callback}
 
 
 def stderr_on_a_pty() -> None:
@@ -278,7 +291,7 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=256)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="torch.set_num_threads for all contenders (default: torch's default)")
-    parser.add_argument("--only", default=",".join(CONTENDERS), help="comma-separated subset of plain,engine,trainer")
+    parser.add_argument("--only", default=",".join(CONTENDERS), help="comma-separated subset of plain,engine,trainer,callbacks")
     parser.add_argument("--bar", action="store_true", help=(
         "engine and Trainer draw their progress bars (into a pseudo-terminal when stderr is not a terminal)"))
     parser.add_argument("--sample-rounds", type=int, default=0, help="time one samples round N times (default 0)")
@@ -377,7 +390,7 @@ def report(results: dict[str, list[Result]], args: argparse.Namespace) -> None:
         return statistics.median(tb / ta for ta, tb in zip(times[a], times[b]))
 
     ratios = {}
-    for a, b in (("engine", "plain"), ("trainer", "plain"), ("engine", "trainer")):
+    for a, b in (("engine", "plain"), ("trainer", "plain"), ("engine", "trainer"), ("callbacks", "plain")):
         if a in results and b in results:
             ratios[a, b] = paired(median_step, a, b)
             line = (f"{a + '/' + b:15s} steps/s {ratios[a, b]:.4f}x  (from mean step times "

@@ -137,7 +137,8 @@ class TrainConfig:
     eval_delay: float = option(0.0, min=0, help=(
         "no evaluation before this step (eval_strategy 'steps') or epoch (eval_strategy 'epoch')"))
     eval_on_start: bool = option(False, help="evaluate once before the first step (a sanity check)")
-    save_strategy: Literal["no", "steps", "epoch"] = option("steps", help="when to save a checkpoint")
+    save_strategy: Literal["no", "steps", "epoch", "best"] = option("steps", help=(
+        "when to save a checkpoint; 'best': after each evaluation that improves metric_for_best_model"))
     save_steps: int = option(500, min=1, help="save every N steps when save_strategy = 'steps'")
     save_total_limit: int | None = option(None, min=1, help=(
         "keep at most this many checkpoints (oldest deleted first; the best one is always kept)"))

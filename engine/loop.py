@@ -33,7 +33,8 @@
                 every logging_steps:  log_metrics(run, metrics, step)   # logging_strategy "steps"
                 every eval_steps:     evaluate(run)               # see below; best metric noted;
                                                                   #   then on_train_mode; from eval_delay on
-                every save_steps:     save(run)                   # see below, then on_train_mode
+                every save_steps:     save(run)                   # see below, then on_train_mode;
+                                                                  #   "best": after an evaluation that improved
                 (run.control.should_log / should_evaluate / should_save: log / evaluate / save too;
                  what the logging hooks request on the main process applies on every process)
                 SIGTERM with enable_jit_checkpoint: save(run), raise TrainingPreempted (exit 143)
@@ -145,6 +146,8 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
         if distributed:
             _share_requests(run)
         hook.on_train_mode(run=run)
+        if train_cfg.save_strategy == "best" and state.best_global_step == state.global_step:
+            save_now()  # a new best metric, as Trainer's save_strategy "best"
 
     saved_step = state.global_step if resume_from is not None else -1
 

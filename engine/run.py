@@ -522,10 +522,13 @@ def _check_values(train: cfg.TrainConfig) -> None:
     """Checks across keys (each key's own range is declared with its option)."""
     if train.max_steps <= 0 and train.num_train_epochs <= 0:
         raise ConfigError("train.max_steps / train.num_train_epochs: set max_steps > 0 or num_train_epochs > 0")
+    if train.save_strategy == "best" and (train.metric_for_best_model is None or train.eval_strategy == "no"):
+        raise ConfigError("train.save_strategy = 'best' saves after evaluations that improve a metric: set "
+                          "train.metric_for_best_model and train.eval_strategy")
     if train.load_best_model_at_end:
         if train.eval_strategy == "no":
             raise ConfigError("train.load_best_model_at_end needs evaluations: set train.eval_strategy")
-        if train.save_strategy != train.eval_strategy:
+        if train.save_strategy not in (train.eval_strategy, "best"):
             raise ConfigError(f"train.load_best_model_at_end: save_strategy ({train.save_strategy!r}) must "
                               f"equal eval_strategy ({train.eval_strategy!r}) so each evaluation has a checkpoint")
         eval_steps = train.eval_steps or train.logging_steps

@@ -498,10 +498,6 @@ def refused(note: str) -> Answer:
     return Answer(REFUSED, note=note)
 
 
-def not_yet(note: str) -> Answer:
-    return Answer(NOT_YET, note=note)
-
-
 def _named(table: dict[str, Answer]) -> dict[str, Answer]:
     return {name: dataclasses.replace(a, keys=(f"train.{name}",)) if a.kind == ACCEPTED and not a.keys else a
             for name, a in table.items()}
@@ -594,7 +590,7 @@ FIELDS: dict[str, Answer] = _named({
     "include_for_metrics": accepted(),
     "batch_eval_metrics": accepted(note="one process only so far"),
     "save_only_model": accepted(note="such a checkpoint is refused by resume_from_checkpoint"),
-    "save_strategy": accepted(note="'best' has no counterpart yet"),
+    "save_strategy": accepted(),
     "save_steps": accepted(convert=_steps_or_ratio, note=_STEP_NOTE),
     "save_on_each_node": builtin("a checkpoint is written once per run (its metadata by the main process), "
                                  "not once per node: put output_dir on storage every node sees"),

@@ -660,3 +660,25 @@ def test_eval_accumulation_steps_gives_trainers_metrics(tmp_path):
         assert (ours["eval_accuracy"], ours["eval_padded"]) == (theirs["eval_accuracy"], theirs["eval_padded"])
         assert ours["eval_logits_sum"] == pytest.approx(theirs["eval_logits_sum"], rel=1e-6)
     assert theirs["eval_padded"] > 0
+
+
+def test_save_strategy_best_saves_at_the_evaluations_trainer_saves_at(tmp_path):
+    args = dict(max_steps=12, per_device_train_batch_size=4, learning_rate=3.0, logging_steps=1, eval_strategy="steps",
+                eval_steps=2, save_strategy="best", metric_for_best_model="loss", optim="sgd")
+    data, evaluation = tiny_dataset(), tiny_dataset(8, seed=1)
+    trainer = transformers.Trainer(
+        model=tiny_model(), train_dataset=data, eval_dataset=evaluation, data_collator=DataCollator(0),
+        args=transformers.TrainingArguments(output_dir=str(tmp_path / "trainer"), use_cpu=True, report_to="none",
+                                            remove_unused_columns=False, disable_tqdm=True, **args))
+    trainer.train()
+    run = Run({"train": {"output_dir": str(tmp_path / "engine"), "disable_tqdm": True, **args}},
+              model=tiny_model(), train_dataset=data, eval_dataset=evaluation, data_collator=DataCollator(0))
+    run.train()
+    saved = [sorted(int(p.name.split("-")[1]) for p in (tmp_path / name).glob("checkpoint-*"))
+             for name in ("trainer", "engine")]
+    evaluations = [[(e["step"], round(e["eval_loss"], 4)) for e in history if "eval_loss" in e]
+                   for history in (trainer.state.log_history, run.state.log_history)]
+    assert evaluations[0] == evaluations[1]
+    assert saved[0] == saved[1] and 0 < len(saved[1]) < 6  # the improving evaluations only
+    with pytest.raises(ConfigError, match="save_strategy = 'best' saves after evaluations that improve"):
+        Run({"train": {"save_strategy": "best"}})

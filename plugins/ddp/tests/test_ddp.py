@@ -5,6 +5,7 @@ import json
 import os
 import re
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -23,16 +24,18 @@ from engine.testing import (
 )
 
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))  # the helper modules the launched processes import (PYTHONPATH there)
+from stop_on_log import StopOnLogAt3  # noqa: E402
 # SGD with momentum in fp32: the paths agree to ~1e-8 (the only difference is the order of the sums)
 SGD = {"optim": "sgd", "optim_args": "momentum=0.9", "learning_rate": 0.05, "lr_scheduler_type": "linear"}
 TOLERANCE = 1e-6
 STEPS = 6
 
 
-def _reference(train, ragged=False):
+def _reference(train, ragged=False, objects=()):
     """One process with the whole global batch."""
     return run_steps(STEPS, model=tiny_model(seed=0), dataset=tiny_dataset(size=64, ragged=ragged),
-                     train={**SGD, **train}).model
+                     train={**SGD, **train}, objects=objects).model
 
 
 def _launch_cases(tmp_path, cases):
@@ -48,9 +51,13 @@ def test_two_processes_make_the_updates_of_one_with_twice_the_batch(tmp_path):
          "train": {**SGD, "per_device_train_batch_size": 4}},
         {"name": "unsynced", "steps": STEPS, "plugins": ["ddp"], "objects": ["unsynced:plugin"],
          "train": {**SGD, "per_device_train_batch_size": 4, "strategy": "unsynced"}},
+        # a TrainerCallback stops the run in on_log (main process only) at step 3: both processes stop there
+        {"name": "callback_stop", "steps": STEPS, "plugins": ["ddp"], "objects": ["stop_on_log:StopOnLogAt3"],
+         "train": {**SGD, "per_device_train_batch_size": 4}},
     ]
     trained = _launch_cases(tmp_path, cases)
     references = {"ddp": _reference({"per_device_train_batch_size": 8}),
+                  "callback_stop": _reference({"per_device_train_batch_size": 8}, objects=[StopOnLogAt3()]),
                   "accumulation": _reference({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2}),
                   "ragged": _reference({"per_device_train_batch_size": 8}, ragged=True)}
     differences = {name: max_difference(trained[name], model) for name, model in references.items()}
