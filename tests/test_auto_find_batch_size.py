@@ -9,6 +9,7 @@ one of the errors accelerate retries). The in-process cases raise the CUDA error
 """
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -115,14 +116,15 @@ REAL_OUT_OF_MEMORY = textwrap.dedent("""
         def on_train_end(self, run):
             resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
 
-    # a batch of 16 rows x 64 tokens x 8192 logits is 32 MB per copy of the logits (a step holds ~8 copies)
-    data = tiny_dataset(size=64, seq_len=64, vocab_size=8192)
+    # a row of 64 tokens x 32768 logits is 8 MB per copy of the logits, and a step holds several copies:
+    # 150 MB more fit a few rows, never 16
+    data = tiny_dataset(size=64, seq_len=64, vocab_size=32768)
     train = {"per_device_train_batch_size": 16, "auto_find_batch_size": True, "save_final_model": False,
              "logging_steps": 1}
-    found = run_steps(3, objects=[CapMemory()], model=tiny_model(vocab_size=8192), dataset=data,
+    found = run_steps(3, objects=[CapMemory()], model=tiny_model(vocab_size=32768), dataset=data,
                       output_dir=sys.argv[1] + "/auto", train=train)
     size = found.config.train.per_device_train_batch_size
-    reference = run_steps(3, model=tiny_model(vocab_size=8192), dataset=data, output_dir=sys.argv[1] + "/ref",
+    reference = run_steps(3, model=tiny_model(vocab_size=32768), dataset=data, output_dir=sys.argv[1] + "/ref",
                           train={**train, "per_device_train_batch_size": size, "auto_find_batch_size": False})
     print(json.dumps({"size": size, "differ": same_weights(found.model, reference.model)}))
 """)
@@ -131,8 +133,11 @@ REAL_OUT_OF_MEMORY = textwrap.dedent("""
 def test_a_real_cpu_out_of_memory_error_finds_a_batch_that_fits(tmp_path):
     script = tmp_path / "capped.py"
     script.write_text(REAL_OUT_OF_MEMORY)
+    # large blocks mapped afresh and returned when freed, in one arena: the address space then follows
+    # what the tensors hold, not what the allocator kept for later
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_ARENA_MAX": "1"}
     result = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
-                            timeout=300)
+                            timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     outcome = json.loads(result.stdout.strip().splitlines()[-1])
     assert 1 <= outcome["size"] < 16

@@ -36,9 +36,10 @@ def test_every_hook_is_called_by_a_run(tmp_path):
               **samples)
     resumed = HookRecorder()
     # a path (rather than true) asks locate_checkpoint first
-    run_steps(3, objects=[resumed], output_dir=tmp_path, model=tiny_model(vocab_size=300), eval_dataset=tiny_dataset(4),
-              train={"resume_from_checkpoint": str(tmp_path / "checkpoint-2"), "eval_strategy": "steps",
-                     "eval_steps": 1}, **samples)
+    run = run_steps(3, objects=[resumed], output_dir=tmp_path, model=tiny_model(vocab_size=300),
+                    eval_dataset=tiny_dataset(4), train={"resume_from_checkpoint": str(tmp_path / "checkpoint-2"),
+                                                         "eval_strategy": "steps", "eval_steps": 1}, **samples)
+    run.predict(tiny_dataset(2, vocab_size=300))  # on_predict
     from_data = HookRecorder()  # run_steps passes its dataset: the data hook fires for [data] only
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(f"line {i} of a small corpus" for i in range(50)))
