@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import checkpoint
+from .memory import empty_device_cache
 from .errors import ConfigError
 from .state import Control, TrainState
 
@@ -83,8 +84,7 @@ class Restart:
         run.optimizer.zero_grad(set_to_none=True)
         run.optimizer = run.scheduler = None
         gc.collect()
-        if torch.accelerator.is_available():
-            torch.accelerator.empty_cache()
+        empty_device_cache()
         for path in checkpoint.list_checkpoints(run.output_dir, run.run_id):
             if checkpoint.saved_progress(path)[0] > self.start_step:  # made with the batch that did not fit
                 logger.info("train.auto_find_batch_size: removing %s of the failed attempt", path.name)
@@ -95,10 +95,8 @@ class Restart:
         train.per_device_train_batch_size = smaller
         _reset(run.state, TrainState())
         _reset(run.control, Control())
-        run.train_loader = run._train_loader()
-        run.num_training_steps = run.state.max_steps = run._count_training_steps()
-        run.optimizer = run.strategy.prepare_optimizer(run.hook.create_optimizer(run=run))
-        run.scheduler = run.hook.create_scheduler(run=run, optimizer=run.optimizer)
+        run.prepare_training()
+        run.state.max_steps = run.num_training_steps
         if self.resume_from is not None:
             checkpoint.load(run, self.resume_from)  # weights, optimizer, scheduler, RNG, progress
         else:

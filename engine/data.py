@@ -43,7 +43,7 @@ from torch.utils.data import Dataset as TorchDataset
 from .config import DataConfig
 from .errors import ConfigError
 from .loss import IGNORE_INDEX
-from .util import call_user, is_callable_spec, load_callable
+from .util import call_user, is_callable_spec, is_peft_model, load_callable
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -947,7 +947,7 @@ def forward_columns(model: torch.nn.Module, label_names: list[str]) -> list[str]
     arguments (a peft model's base model's), ``label``, ``label_ids`` and the label names."""
     import inspect
 
-    if type(model).__module__.split(".")[0] == "peft" and hasattr(model, "get_base_model"):
+    if is_peft_model(model) and hasattr(model, "get_base_model"):
         model = model.get_base_model()
     return [*inspect.signature(model.forward).parameters, *dict.fromkeys(["label", "label_ids", *label_names])]
 

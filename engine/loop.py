@@ -236,7 +236,7 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
                         raise autobatch.StepOutOfMemory() from exc
                     raise
                 if empty_cache_every and state.global_step % empty_cache_every == 0:  # Trainer's steps 0, N, 2N ...
-                    empty_device_cache()
+                    memory.empty_device_cache()
                 scheduler_step()
                 state.global_step += 1
                 step_in_epoch += 1
@@ -484,14 +484,6 @@ def _host_values(values: tuple[Any, ...]) -> list[float | None]:
         for i, value in zip(tensors, torch.stack([values[i].float() for i in tensors]).tolist()):
             out[i] = value
     return out
-
-
-def empty_device_cache() -> None:
-    """Return the accelerator's cached, unused memory to it (torch_empty_cache_steps); nothing on the CPU."""
-    if torch.accelerator.is_available():
-        torch.accelerator.empty_cache()
-        if torch.backends.mps.is_available() and hasattr(torch.mps, "clear_graph_cache"):
-            torch.mps.clear_graph_cache()  # as Trainer
 
 
 def _note_skipped(run: Run, out: Any, in_a_row: int) -> None:

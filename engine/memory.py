@@ -54,6 +54,15 @@ class MemoryTracker:
             metrics[f"{self.stage}_mem_gpu_peaked_delta"] = max(0, torch.accelerator.max_memory_allocated() - gpu_now)
 
 
+def empty_device_cache() -> None:
+    """Return the accelerator's cached, unused memory to it (torch_empty_cache_steps, a smaller batch after an
+    out-of-memory error); nothing on the CPU."""
+    if torch.accelerator.is_available():
+        torch.accelerator.empty_cache()
+        if torch.backends.mps.is_available() and hasattr(torch.mps, "clear_graph_cache"):
+            torch.mps.clear_graph_cache()  # as Trainer
+
+
 def track(run: Any, stage: str) -> MemoryTracker | None:
     """A tracker measuring ``stage`` from now; None when the run skips memory metrics or measures a stage already."""
     if run.config.train.skip_memory_metrics or id(run) in _active:

@@ -24,6 +24,7 @@ from .plugins import PLUGINS_ENV, EnvironmentPlugins, IsolatedHooks, PluginManag
 from .rundir import env_rank
 from .state import Control, EpochSampler, PredictionOutput, TrainState
 from .trainer_args import check_train_keys
+from .util import is_peft_model
 
 logger = logging.getLogger("engine")
 
@@ -104,7 +105,7 @@ class Run:
         raw["plugins"] = enabled + [name for name in objects if name not in enabled]
         origins = {name: "Run(plugins=...)" if name in objects else "the run config" if name in in_config
                    else PLUGINS_ENV if name in environment.added else "--plugins" for name in raw["plugins"]}
-        if _is_peft_model(model) and ADAPTER_PLUGIN not in raw["plugins"]:
+        if is_peft_model(model) and ADAPTER_PLUGIN not in raw["plugins"]:
             # its checkpoints hold the adapter only: the plugin that saves and loads them comes with it
             raw["plugins"].append(ADAPTER_PLUGIN)
             origins[ADAPTER_PLUGIN] = "Run(model=<a peft model>)"
@@ -282,6 +283,11 @@ class Run:
     def _prepare(self) -> None:
         """Wrap the patched model, make the train loader, optimizer and scheduler."""
         self.wrapped_model = self.strategy.prepare_model(self.model)
+        self.prepare_training()
+
+    def prepare_training(self) -> None:
+        """The train loader, the step count, the optimizer and the scheduler, from the config as it is now
+        (made again when train.auto_find_batch_size changed the batch size)."""
         self.train_loader = self._train_loader()
         self.num_training_steps = self._count_training_steps()
         optimizer = self.hook.create_optimizer(run=self)
@@ -489,11 +495,6 @@ def _set_determinism(train: cfg.TrainConfig) -> None:
 
 
 ADAPTER_PLUGIN = "peft"
-
-
-def _is_peft_model(model: Any) -> bool:
-    """A model wrapped by peft (checked by its class's module: the core does not import peft)."""
-    return model is not None and type(model).__module__.split(".")[0] == "peft"
 
 
 def _resolve_defaults(train: cfg.TrainConfig) -> None:

@@ -13,6 +13,11 @@ from typing import Any, Callable
 from .errors import ConfigError, EngineError, MissingDependencyError, UserCodeError
 
 
+def is_peft_model(model: Any) -> bool:
+    """A model wrapped by peft (checked by its class's module: the core does not import peft)."""
+    return model is not None and type(model).__module__.split(".")[0] == "peft"
+
+
 def is_callable_spec(spec: str) -> bool:
     """True for ``"package.module:function"`` (and not an existing path that has a colon)."""
     return ":" in spec and not Path(spec).exists()

@@ -233,7 +233,7 @@ def _first_tokens(model):
 
 
 def test_logging_evaluation_tokens_and_data_order_as_trainer(tmp_path, monkeypatch):
-    import engine.loop
+    import engine.memory
 
     shared = dict(max_steps=12, per_device_train_batch_size=8, per_device_eval_batch_size=8, learning_rate=1e-3,
                   logging_strategy="epoch", eval_strategy="steps", eval_steps=2, eval_delay=4, eval_on_start=True,
@@ -243,7 +243,7 @@ def test_logging_evaluation_tokens_and_data_order_as_trainer(tmp_path, monkeypat
     emptied = {"trainer": [], "engine": []}  # at which steps each empties the cache (a no-op on this CPU)
     monkeypatch.setattr(transformers.trainer, "clear_device_cache",
                         lambda: emptied["trainer"].append(trainer.state.global_step))
-    monkeypatch.setattr(engine.loop, "empty_device_cache", lambda: emptied["engine"].append(run.state.global_step))
+    monkeypatch.setattr(engine.memory, "empty_device_cache", lambda: emptied["engine"].append(run.state.global_step))
     model = tiny_model()
     their_order = _first_tokens(model)
     trainer = transformers.Trainer(
