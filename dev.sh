@@ -50,9 +50,9 @@ case "${1:-}" in
     setup) setup ;;
     # the demo starts afresh each time; a plain `engine train` refuses to overwrite another run
     run) setup; shift; "$VENV/bin/engine" train --set train.overwrite_output_dir=true "$@" ;;
-    # two workers, a test file each (most tests wait on one-core work: a subprocess starting, a
-    # launcher, a kill); more workers: ./dev.sh test -n 4; one process: ./dev.sh test -n 0
-    test) setup; shift; "$PY" -m pytest tests contrib plugins -n 2 --dist loadfile "$@" ;;
+    # one process; ./dev.sh test -n 2 --dist loadfile runs two workers, a test file each (~22 instead
+    # of ~36 min on 2 cores), but tests/test_wheelhouse.py failed once that way (cause not found yet)
+    test) setup; shift; "$PY" -m pytest tests contrib plugins "$@" ;;
     wheels) setup; shift; "$PY" scripts/wheelhouse.py "$@" ;;
     *) echo "usage: ./dev.sh setup|run|test|wheels [args]" >&2; exit 2 ;;
 esac
