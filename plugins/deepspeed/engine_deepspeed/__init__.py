@@ -73,6 +73,59 @@ def _quiet_deepspeed() -> None:
         r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated"))
 
 
+@contextlib.contextmanager
+def _replaced(owner, name: str, value):
+    original = owner.__dict__[name]
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def _initialized_as_in_one_process():
+    """Inside the strategy's ``zero.Init``: a transformers model built from a config starts from the
+    weights one process draws with the same seed, and no module is whole longer than its initialisation.
+
+    Left to itself, ``from_config`` opens its own ``zero.Init`` in which the layers' constructors do
+    not initialise, then initialises each module on rank 0: other draws of the random generator than
+    one process makes (2 processes started 0.12 away). A class called directly (a config naming its
+    architecture, a factory) initialised the empty partitions: torch's default init stayed, or it crashed.
+    Here the constructors initialise each module whole, as in one process (``zero.Init`` then
+    broadcasts rank 0's values and partitions them), and ``post_init``'s weight initialisation sees
+    each module's parameters gathered, in one process's order, rank 0's result broadcast.
+    ``from_pretrained`` keeps its own ZeRO-3 path (it builds without initialising, so ``init_weights``
+    is not called, then initialises the weights the folder lacks gathered), which draws as one process."""
+    import deepspeed
+    from transformers import PreTrainedModel
+    from transformers.modeling_utils import set_zero3_state
+
+    from_config = PreTrainedModel.__dict__["_from_config"].__func__
+    init_weights, initialize = PreTrainedModel.init_weights, PreTrainedModel._initialize_weights
+
+    def from_config_in_this_init(cls, config, **kwargs):
+        with set_zero3_state():  # the strategy's zero.Init is open: transformers opens none of its own
+            return from_config(cls, config, **kwargs)
+
+    def init_weights_gathered(self):  # post_init: the modules are built, and partitioned
+        with _replaced(PreTrainedModel, "_initialize_weights", initialize_gathered):
+            init_weights(self)
+
+    def initialize_gathered(self, module, *args, **kwargs):
+        if getattr(module, "_is_hf_initialized", False):
+            return  # by a sub-model's post_init: not gathered again
+        # _init_weights may also set its children's parameters (e.g. module.q_proj.weight)
+        params = [*module.parameters(recurse=False),
+                  *(param for child in module.children() for param in child.parameters(recurse=False))]
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+            initialize(self, module, *args, **kwargs)
+
+    with _replaced(PreTrainedModel, "_from_config", classmethod(from_config_in_this_init)), \
+            _replaced(PreTrainedModel, "init_weights", init_weights_gathered):
+        yield
+
+
 class DeepSpeedStrategy(DistributedStrategy):
     name = "deepspeed"
     # checkpoint-N/deepspeed/ (DeepSpeed's own files) beside the full weights: only deepspeed reads it
@@ -126,7 +179,10 @@ class DeepSpeedStrategy(DistributedStrategy):
         # transformers then builds and loads (from_pretrained) partitioned weights itself; it holds
         # this object weakly, so the strategy keeps it for the run
         self._hf_config = HfDeepSpeedConfig(self.ds_config)
-        return deepspeed.zero.Init(config_dict_or_path=self.ds_config)
+        context = contextlib.ExitStack()
+        context.enter_context(deepspeed.zero.Init(config_dict_or_path=self.ds_config))
+        context.enter_context(_initialized_as_in_one_process())
+        return context
 
     def prepare_model(self, model):
         return model.to(self.device)  # wrapped with the optimizer in prepare_optimizer

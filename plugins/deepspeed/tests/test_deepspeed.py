@@ -10,8 +10,8 @@ import torch
 
 from safetensors.torch import load_file
 
-from engine.testing import (free_port, launch_cases, max_difference, run_steps, tiny_dataset, tiny_model,
-                            torchrun)
+from engine.testing import (TEST_CORPUS, free_port, launch_cases, max_difference, run_steps, tiny_dataset,
+                            tiny_model, tiny_tokenizer, torchrun, write_run_file)
 
 HERE = Path(__file__).parent
 # SGD with momentum in fp32: the paths agree to ~1e-8 (the only difference is the order of the sums)
@@ -73,14 +73,11 @@ def test_zero_stages_in_two_processes_make_the_updates_of_one_with_twice_the_bat
 # ---------------------------------------------------------------------------- the command line under torchrun
 
 
-CORPUS = "\n".join(f"record {i}: the quick brown fox {i % 7} jumps over {i % 13} lazy dogs" for i in range(1500))
-
-
 def _run_file(folder, stage, deepspeed=None, **train):
     from engine.config import to_toml
 
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "corpus.txt").write_text(CORPUS)
+    (folder / "corpus.txt").write_text(TEST_CORPUS)
     path = folder / "run.toml"
     path.write_text(to_toml({
         "plugins": ["deepspeed"],
@@ -95,6 +92,18 @@ def _run_file(folder, stage, deepspeed=None, **train):
 
 def _train(run_file, *sets, nproc=2):
     result = torchrun(["-m", "engine", "train", str(run_file), *(f"--set={s}" for s in sets)], nproc=nproc, env=ENV)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def _train_alone(run_file):
+    """``python -m engine train RUN_FILE``: one process, no launcher."""
+    import os
+    import subprocess
+
+    env = {key: value for key, value in os.environ.items() if key not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    result = subprocess.run([sys.executable, "-m", "engine", "train", str(run_file)], env={**env, **ENV},
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -196,6 +205,61 @@ def test_zero3_best_and_final_models_are_whole_and_load_with_from_pretrained(tmp
         assert torch.allclose(tensor, final[name], rtol=0, atol=1e-9), name
 
 
+# ---------------------------------------------------------------------------- ZeRO-3 construction (zero.Init)
+
+
+def test_zero3_run_of_a_model_built_from_config_equals_one_process_with_twice_the_batch(tmp_path):
+    # the builtin tiny-llama's random weights are drawn under zero.Init: they used to be other draws
+    # than one process's (loss at step 1: 5.699 vs 5.728; weights 0.12 apart after 4 steps)
+    train = {**SGD, "max_steps": 4, "save_strategy": "no"}
+    (tmp_path / "zero3").mkdir()
+    (tmp_path / "one").mkdir()
+    zero3 = write_run_file(tmp_path / "zero3", ["deepspeed"], {"deepspeed": {"zero_stage": 3}}, **train)
+    one = write_run_file(tmp_path / "one", [], **{**train, "per_device_train_batch_size": 8})
+    _train(zero3)
+    _train_alone(one)
+    zero3_out, one_out = tmp_path / "zero3" / "out", tmp_path / "one" / "out"
+    assert _losses(zero3_out)[0] == pytest.approx(_losses(one_out)[0], abs=2e-6)  # logged with 6 decimals
+    difference = max_difference(_weights(zero3_out), _weights(one_out))
+    print(f"max |weight difference| against one process: {difference:.1e}")
+    assert difference < TOLERANCE
+
+
+def test_zero3_starts_from_the_weights_one_process_draws_for_a_class_called_directly_and_from_pretrained(
+        tmp_path, monkeypatch):
+    # the builtin model (AutoModelForCausalLM.from_config, as a from_config factory) is the test above
+    monkeypatch.syspath_prepend(str(HERE))  # the factories, also for the reference built in this process
+    import transformers
+    from initial_weights import SIZES, initial_weights
+
+    (tmp_path / "corpus.txt").write_text(TEST_CORPUS)
+    (tmp_path / "llama.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                                                     **SIZES}))
+    base, tokenizer = tmp_path / "base", tiny_tokenizer()
+    transformers.LlamaModel(transformers.LlamaConfig(**SIZES, vocab_size=len(tokenizer))).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    monkeypatch.setenv("BASE_MODEL", str(base))
+    models = {"json_architectures": str(tmp_path / "llama.json"),  # used to crash: init on empty partitions
+              "factory_class": "initial_weights:llama_from_class",  # used to keep torch's default init (4.2 away)
+              "factory_base": "initial_weights:llama_from_base"}  # transformers' ZeRO-3 path initialises the head
+
+    def config(name, **run):
+        return {"train": {"model": models[name], "output_dir": str(tmp_path / name), "disable_tqdm": True,
+                          "save_strategy": "no", "seed": 7},
+                "data": {"train": str(tmp_path / "corpus.txt"), "max_length": 32, "tokenizer_vocab_size": 300,
+                         "tokenizer": str(base) if name == "factory_base" else "train"}, **run}
+
+    cases = {name: config(name, plugins=["deepspeed"], deepspeed={"zero_stage": 3}) for name in models}
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    result = torchrun([str(HERE / "initial_weights.py"), str(tmp_path / "cases.json"), str(tmp_path)], env=ENV)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in models:
+        zero3, one = torch.load(tmp_path / f"{name}.pt", weights_only=True), initial_weights(config(name))
+        assert sorted(zero3) == sorted(one), name
+        unequal = [key for key in one if not torch.equal(zero3[key], one[key])]
+        assert not unequal, (name, unequal, max_difference(zero3, one))
+
+
 # ---------------------------------------------------------------------------- refused at configure
 
 
@@ -236,6 +300,7 @@ def test_auto_values_are_filled_from_the_run(tmp_path, monkeypatch):
     from engine_deepspeed import dsconfig
 
     monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("MASTER_ADDR", "localhost")  # as a launcher sets it (the run is configured, never set up)
     run = _configure(tmp_path, {"config": {"train_batch_size": "auto", "gradient_clipping": "auto",
                                            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto"}}},
                                 "offload_optimizer": "cpu"},
@@ -249,16 +314,9 @@ def test_auto_values_are_filled_from_the_run(tmp_path, monkeypatch):
 
 
 def test_zero3_in_one_process_without_a_launcher_trains_with_auto_bucket_sizes(tmp_path):
-    import os
-    import subprocess
-
     auto = {"reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
             "stage3_param_persistence_threshold": "auto"}
-    run_file = _run_file(tmp_path, 3, {"config": {"zero_optimization": auto}}, max_steps=2, save_steps=2)
-    env = {key: value for key, value in os.environ.items() if key not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
-    result = subprocess.run([sys.executable, "-m", "engine", "train", str(run_file)], env={**env, **ENV},
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    _train_alone(_run_file(tmp_path, 3, {"config": {"zero_optimization": auto}}, max_steps=2, save_steps=2))
     assert len(_losses(tmp_path / "out")) == 2 and (tmp_path / "out" / "model.safetensors").is_file()
 
 
