@@ -8,6 +8,10 @@ reads it and maps every key onto the engine: ``distributed_type`` enables the st
 describe the torchrun command, and are checked against the processes actually started. A key
 the engine cannot honour is refused by name; nothing is skipped. ``engine plan`` shows each
 mapping. Values also set by the run file must agree; ``--set`` still overrides both.
+
+Every value read is checked (a wrong type is refused naming its key path and what it takes), and
+the file is bounded before it is built: its size, its nesting, and what its aliases expand to.
+Values under a credential's name are never shown.
 """
 
 from __future__ import annotations
@@ -16,18 +20,22 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+from .config import MAX_NESTING, SECRET_MASK, TrainConfig, check_value
 from .errors import ConfigError
+from .util import is_secret_name, mask_secrets, one_line, read_small_text
 
 STRATEGY_PLUGINS = {"MULTI_GPU": "ddp", "MULTI_CPU": "ddp", "FSDP": "fsdp", "DEEPSPEED": "deepspeed", "NO": None}
 # Accelerate's FSDP1 sharding strategies by name and by number
 SHARDING = {"FULL_SHARD": 1, "SHARD_GRAD_OP": 2, "NO_SHARD": 3, "HYBRID_SHARD": 4, "HYBRID_SHARD_ZERO2": 5}
+MAX_CONFIG_BYTES = 1 << 20
+MAX_VALUES = 10_000  # once aliases are expanded; `accelerate config` writes a few dozen
 
 
 class Mapping:
     """The settings an Accelerate config makes: plugins to enable, ``section.key`` values, and why."""
 
     def __init__(self, source: str):
-        self.source = source
+        self.source = one_line(source)
         self.plugins: list[str] = []
         self.settings: dict[str, Any] = {}
         self.lines: list[str] = []
@@ -35,45 +43,84 @@ class Mapping:
 
     def set(self, key: str, value: Any, accelerate_key: str, accelerate_value: Any) -> None:
         self.settings[key] = value
-        self.lines.append(f"{accelerate_key}: {_show(accelerate_value)} -> {key} = {_show(value)}")
+        self.lines.append(f"{one_line(accelerate_key)}: {_show(accelerate_value, accelerate_key)} -> {key} = "
+                          f"{_show(value, key)}")
 
     def note(self, accelerate_key: str, value: Any, meaning: str) -> None:
-        self.lines.append(f"{accelerate_key}: {_show(value)} -> {meaning}")
+        self.lines.append(f"{one_line(accelerate_key)}: {_show(value, accelerate_key)} -> {meaning}")
 
     def refuse(self, accelerate_key: str, value: Any, reason: str) -> ConfigError:
-        return ConfigError(f"--accelerate-config {self.source}: {accelerate_key}: {_show(value)}: {reason}")
+        return ConfigError(f"--accelerate-config {self.source}: {one_line(accelerate_key)}: "
+                           f"{_show(value, accelerate_key)}: {reason}")
 
 
-def _show(value: Any) -> str:
-    return repr(value) if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else str(value)
+def _show(value: Any, key: Any = "") -> str:
+    """``value`` as the file spells it; a credential's (by its key's name, at any depth) as the mask."""
+    value = SECRET_MASK if value is not None and is_secret_name(str(key).rsplit(".", 1)[-1]) \
+        else mask_secrets(value, SECRET_MASK)
+    text = repr(value) if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else str(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def read(path: str | Path) -> dict[str, Any]:
-    """The YAML mapping in ``path``; a missing or malformed file is a ConfigError naming it."""
+    """The YAML mapping in ``path``; a missing, special, oversized, binary or malformed file, or one
+    nested too deep or expanding too far, is a ConfigError naming it."""
     import yaml
 
-    path = Path(path)
+    what = f"--accelerate-config {one_line(path)}"
+    text = read_small_text(path, what, "name the YAML file `accelerate config` wrote", MAX_CONFIG_BYTES)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"--accelerate-config: {path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"--accelerate-config: cannot read {path}: {exc}") from None
+        _check_size(yaml.parse(text), what)
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"--accelerate-config: {path} is not valid YAML{where}") from None
+        raise ConfigError(f"{what} is not valid YAML{where}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"--accelerate-config: {path} holds a {type(data).__name__}, expected a mapping of "
-                          "Accelerate settings (as `accelerate config` writes)")
+        raise ConfigError(f"{what} holds a {type(data).__name__}, expected a mapping of Accelerate settings (as "
+                          "`accelerate config` writes)")
     return data
+
+
+def _check_size(events: Any, what: str) -> None:
+    """Refuse YAML nested more than MAX_NESTING levels, or holding more than MAX_VALUES values once its
+    aliases are expanded, from its parse events, before anything is built: a few hundred bytes of nested
+    aliases ("billion laughs") stand for billions of values, which no walk of them (showing, comparing)
+    would get through."""
+    import yaml
+
+    values = 0
+    stack: list[tuple[str | None, int]] = []  # each open mapping or list: its anchor, the values before it
+    sizes: dict[str, int] = {}  # anchor -> the values it stands for
+    for event in events:
+        if isinstance(event, yaml.AliasEvent):
+            if any(anchor == event.anchor for anchor, _ in stack):
+                raise ConfigError(f"{what}: alias *{event.anchor} refers to a mapping or list that holds it; "
+                                  "write the settings out")
+            values += sizes.get(event.anchor, 1)  # an unknown anchor: yaml refuses it when building
+        elif isinstance(event, yaml.CollectionStartEvent):
+            stack.append((event.anchor, values))
+            values += 1
+            if len(stack) > MAX_NESTING:
+                raise ConfigError(f"{what} nests mappings or lists more than {MAX_NESTING} levels deep")
+        elif isinstance(event, yaml.CollectionEndEvent):
+            anchor, before = stack.pop()
+            if anchor is not None:
+                sizes[anchor] = values - before
+        elif isinstance(event, yaml.ScalarEvent):
+            values += 1
+            if event.anchor is not None:
+                sizes[event.anchor] = 1
+        if values > MAX_VALUES:
+            raise ConfigError(f"{what} holds more than {MAX_VALUES:,} values once its aliases (*name) are "
+                              "expanded; write the settings out")
 
 
 def map_config(config: dict[str, Any], source: str) -> Mapping:
     """Map an Accelerate config onto plugins and settings (see the module docstring)."""
     mapping = Mapping(source)
     distributed = config.get("distributed_type", "NO")
-    if distributed not in STRATEGY_PLUGINS:
+    if not isinstance(distributed, str) or distributed not in STRATEGY_PLUGINS:
         raise mapping.refuse("distributed_type", distributed, f"the engine runs {', '.join(STRATEGY_PLUGINS)}")
     plugin = STRATEGY_PLUGINS[distributed]
     if plugin:
@@ -117,15 +164,31 @@ def apply(raw: dict[str, Any], path: str | Path) -> tuple[dict[str, Any], Mappin
 # ---------------------------------------------------------------------------- keys
 
 
-def _launcher(mapping: Mapping, key: str, value: Any, plugin: str | None) -> None:
-    mapping.launcher[key] = value
+def _check_type(mapping: Mapping, key: str, value: Any, types: tuple[type, ...], expected: str) -> None:
+    """Refuse ``value`` unless it is one of ``types`` (a bool is not a number here)."""
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        raise mapping.refuse(key, value, f"expected {expected}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _launcher(*types: type, expected: str) -> Callable[..., None]:
+    """A setting of the launcher (torchrun): checked, shown, and num_processes compared with the job."""
+
+    def handle(mapping: Mapping, key: str, value: Any, plugin: str | None) -> None:
+        _check_type(mapping, key, value, types, expected)
+        mapping.launcher[key] = value
+
+    return handle
 
 
 def accept_only(*accepted: Any, meaning: str) -> Callable[..., None]:
     """A key the engine honours only at these values (TPU, SageMaker, ... settings at their defaults)."""
 
     def handle(mapping: Mapping, key: str, value: Any, plugin: str | None = None) -> None:
-        if value not in accepted:
+        if not any(type(value) is type(a) and value == a for a in accepted):  # 0 is not false here
             raise mapping.refuse(key, value, f"not supported by the engine (accepted: "
                                              f"{', '.join(_show(a) for a in accepted)})")
         mapping.note(key, value, meaning)
@@ -134,6 +197,8 @@ def accept_only(*accepted: Any, meaning: str) -> Callable[..., None]:
 
 
 def _mixed_precision(mapping: Mapping, key: str, value: Any, plugin: str | None) -> None:
+    if value is False:  # YAML reads an unquoted `no` as false
+        value = "no"
     if value not in ("no", "bf16", "fp16"):
         raise mapping.refuse(key, value, "the engine trains in 'no', 'bf16' or 'fp16'")
     mapping.set("train.bf16", value == "bf16", key, value)
@@ -141,15 +206,17 @@ def _mixed_precision(mapping: Mapping, key: str, value: Any, plugin: str | None)
 
 
 def _use_cpu(mapping: Mapping, key: str, value: Any, plugin: str | None) -> None:
-    mapping.set("train.use_cpu", bool(value), key, value)
+    mapping.set("train.use_cpu", _boolean(mapping, key, value), key, value)
 
 
 def _nested(plugin: str, distributed_type: str, what: str, handlers: Callable[[], dict[str, Callable[..., None]]]):
     """A table (``fsdp_config``, ``deepspeed_config``) whose keys ``handlers()`` maps, for ``plugin`` only."""
 
     def handle(mapping: Mapping, key: str, value: Any, enabled: str | None) -> None:
-        if not value:
+        if value is None or value == {}:  # `accelerate config` writes fsdp_config: {} for the other types
             return
+        if not isinstance(value, dict):
+            raise mapping.refuse(key, value, "expected a table of settings, as `accelerate config` writes it")
         if enabled != plugin:
             raise mapping.refuse(key, "{...}", f"{key} needs distributed_type: {distributed_type}")
         table = handlers()
@@ -167,11 +234,10 @@ def _check_processes(mapping: Mapping, config: dict[str, Any]) -> None:
     if mapping.launcher:
         settings = ", ".join(f"{key}: {_show(value)}" for key, value in mapping.launcher.items())
         mapping.lines.append(f"{settings} -> the launcher's settings (num_processes checked against WORLD_SIZE)")
-    processes, machines = config.get("num_processes"), config.get("num_machines", 1)
+    processes, machines = config.get("num_processes"), config.get("num_machines", 1)  # ints: checked by _launcher
     if processes is None:
         return
-    if not isinstance(processes, int) or not isinstance(machines, int) or processes < 1 or machines < 1 \
-            or processes % machines:
+    if processes < 1 or machines < 1 or processes % machines:
         raise mapping.refuse("num_processes", processes, f"expected a positive multiple of num_machines ({machines})")
     started = os.environ.get("WORLD_SIZE")
     if started is not None and started.isdigit() and int(started) != processes:
@@ -184,9 +250,14 @@ def _check_processes(mapping: Mapping, config: dict[str, Any]) -> None:
 
 
 _TOP_LEVEL: dict[str, Callable[..., None]] = {
-    **{key: _launcher for key in ("num_processes", "num_machines", "machine_rank", "main_process_ip",
-                                  "main_process_port", "rdzv_backend", "same_network", "gpu_ids",
-                                  "main_training_function", "enable_cpu_affinity")},
+    **{key: _launcher(int, expected="a whole number") for key in ("num_processes", "num_machines", "machine_rank")},
+    "main_process_ip": _launcher(str, type(None), expected="a host name or IP address"),
+    "main_process_port": _launcher(int, type(None), expected="a port number"),
+    "rdzv_backend": _launcher(str, expected="a rendezvous backend name, e.g. 'static' or 'c10d'"),
+    "same_network": _launcher(bool, expected="true or false"),
+    "gpu_ids": _launcher(str, int, expected="'all' or GPU numbers, e.g. '0,1'"),
+    "main_training_function": _launcher(str, expected="a function name"),
+    "enable_cpu_affinity": _launcher(bool, expected="true or false"),
     "compute_environment": accept_only("LOCAL_MACHINE", meaning="local processes (torchrun)"),
     "debug": accept_only(False, meaning="no Accelerate debug checks"),
     "downcast_bf16": accept_only("no", False, meaning="no TPU downcasting"),
@@ -227,7 +298,7 @@ def _fsdp_wrap(mapping: Mapping, key: str, value: Any) -> None:
 
 
 def _fsdp_sharding(mapping: Mapping, key: str, value: Any) -> None:
-    number = SHARDING.get(value, value)
+    number = SHARDING.get(value) if isinstance(value, str) else value if _is_int(value) else None
     if number == 1:
         mapping.set("fsdp.reshard_after_forward", True, key, value)
     elif number == 2:
@@ -242,7 +313,7 @@ def _fsdp_sharding(mapping: Mapping, key: str, value: Any) -> None:
 
 def _fsdp_state_dict(mapping: Mapping, key: str, value: Any) -> None:
     types = {"FULL_STATE_DICT": "full", "SHARDED_STATE_DICT": "sharded"}
-    if value not in types:
+    if not isinstance(value, str) or value not in types:
         raise mapping.refuse(key, value, "the engine saves FULL_STATE_DICT or SHARDED_STATE_DICT")
     mapping.set("fsdp.state_dict_type", types[value], key, value)
 
@@ -262,7 +333,7 @@ def _fsdp_prefetch(mapping: Mapping, key: str, value: Any) -> None:
 
 
 def _fsdp_version(mapping: Mapping, key: str, value: Any) -> None:
-    if value not in (1, 2):
+    if not _is_int(value) or value not in (1, 2):
         raise mapping.refuse(key, value, "expected 1 or 2")
     mapping.note(key, value, "FSDP2 (fully_shard) with the same sharding" + (" (FSDP1 settings mapped)" if value == 1
                                                                                else ""))
@@ -290,7 +361,7 @@ FSDP_CONFIG: dict[str, Callable[..., None]] = {
 
 
 def _zero_stage(mapping: Mapping, key: str, value: Any) -> int:
-    if value not in (0, 1, 2, 3):
+    if not _is_int(value) or value not in (0, 1, 2, 3):
         raise mapping.refuse(key, value, "expected 0, 1, 2 or 3")
     return value
 
@@ -311,11 +382,18 @@ def _same_as_train(train_key: str) -> Callable[..., None]:
     """A DeepSpeed value that the engine takes from [train] (both must agree, so it sets it)."""
 
     def handle(mapping: Mapping, key: str, value: Any) -> None:
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise mapping.refuse(key, value, "expected a number")
-        mapping.set(f"train.{train_key}", value, key, value)
+        try:
+            checked = check_value(TrainConfig, train_key, value, f"train.{train_key}")
+        except ConfigError as exc:
+            raise mapping.refuse(key, value, f"sets {exc}") from None
+        mapping.set(f"train.{train_key}", checked, key, value)
 
     return handle
+
+
+def _multinode_launcher(mapping: Mapping, key: str, value: Any) -> None:
+    _check_type(mapping, key, value, (str,), "a launcher name, e.g. 'standard'")
+    mapping.note(key, value, "launcher setting (torchrun or the deepspeed launcher)")
 
 
 _DEEPSPEED: dict[str, Callable[..., None]] = {
@@ -326,9 +404,8 @@ _DEEPSPEED: dict[str, Callable[..., None]] = {
     "zero3_init_flag": lambda mapping, key, value: mapping.note(
         key, _boolean(mapping, key, value), "under ZeRO-3 the model is always built inside deepspeed.zero.Init"),
     "zero3_save_16bit_model": lambda mapping, key, value: mapping.note(
-        key, value, "the final model is always consolidated to full HF weights"),
+        key, _boolean(mapping, key, value), "the final model is always consolidated to full HF weights"),
     "gradient_accumulation_steps": _same_as_train("gradient_accumulation_steps"),
     "gradient_clipping": _same_as_train("max_grad_norm"),
-    "deepspeed_multinode_launcher": lambda mapping, key, value: mapping.note(
-        key, value, "launcher setting (torchrun or the deepspeed launcher)"),
+    "deepspeed_multinode_launcher": _multinode_launcher,
 }

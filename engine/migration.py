@@ -14,7 +14,8 @@ the Trainer run did); a field set away from Trainer's default that has no counte
 listed with the reason. Each value written is checked against its section's schema, and the
 optimizer and scheduler names against the registries, so ``engine plan`` accepts the file
 once the placeholders (the model and the data, which ``TrainingArguments`` does not hold) are
-filled in.
+filled in. A credential (``hub_token``, any field or nested key named like one) is never written
+or shown: its value is masked before anything reads it.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import TrainConfig, check_value, toml_key, toml_value
+from .config import SECRET_MASK, TrainConfig, check_nesting, check_value, toml_key, toml_value
 from .errors import ConfigError, EngineError
 from .trainer_args import (ACCEPTED, BUILTIN, ENABLED_BY, FIELDS, PLUGIN, SEQ2SEQ_FIELDS, STRATEGIES, Conversion,
-                           answer_for, show)
+                           answer_for, load_json, show)
+from .util import is_secret_name, mask_secrets, one_line, read_small_text
 
 MAX_ARGUMENTS_BYTES = 1 << 20
 # what TrainingArguments does not hold: left as commented keys for the user to fill in
@@ -64,11 +66,11 @@ class Migration:
                                                   if table or name in ("train", "data")}}
 
     def toml(self) -> str:
-        lines = [f"# Run file converted by `engine migrate` from {self.source} (transformers TrainingArguments).",
-                 "# Fill in the commented keys below; `engine plan` shows the whole run."]
+        lines = [f"# Run file converted by `engine migrate` from {one_line(self.source)} (transformers "
+                 "TrainingArguments).", "# Fill in the commented keys below; `engine plan` shows the whole run."]
         if self.lost:
             lines.append("# Not converted (set away from Trainer's default):")
-            lines += [f"#   {what}: {why}" for what, why in self.lost]
+            lines += [f"#   {one_line(f'{what}: {why}')}" for what, why in self.lost]
         mapping = self.mapping
         lines.append(f"plugins = {toml_value(mapping.pop('plugins'))}")
         for section, table in mapping.items():
@@ -104,22 +106,12 @@ class Migration:
 
 def read_arguments(path: str | Path) -> dict[str, Any]:
     """The JSON object in ``path`` (``TrainingArguments.to_json_string()``); anything else is a ConfigError."""
-    path = Path(path)
+    text = read_small_text(path, str(path), "name the JSON file TrainingArguments.to_json_file() wrote",
+                           MAX_ARGUMENTS_BYTES)
     try:
-        if not path.is_file():
-            raise ConfigError(f"{path}: {'is a folder' if path.is_dir() else 'no such file'}; name the JSON file "
-                              "TrainingArguments.to_json_file() wrote")
-        if path.stat().st_size > MAX_ARGUMENTS_BYTES:
-            raise ConfigError(f"{path} is larger than {MAX_ARGUMENTS_BYTES:,} bytes: not a TrainingArguments dump")
-        text = path.read_text(encoding="utf-8-sig")
-    except OSError as exc:
-        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path} is not UTF-8 text; expected TrainingArguments.to_json_string() output") from None
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise ConfigError(f"{path} is not JSON ({exc}); expected TrainingArguments.to_json_string() output") from None
+        data = load_json(text, str(path))
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}; expected TrainingArguments.to_json_string() output") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path} holds a JSON {type(data).__name__}, expected an object of TrainingArguments "
                           "fields (TrainingArguments.to_json_string())")
@@ -144,8 +136,10 @@ def migrate(arguments: Any, source: str | None = None) -> Migration:
     if not isinstance(arguments, dict):
         raise ConfigError(f"engine migrate takes a TrainingArguments or a dict of its fields, got "
                           f"{type(arguments).__name__}")
+    check_nesting(arguments, source or "the TrainingArguments")
     defaults = trainer_defaults()
-    conversion = Conversion(arguments)
+    shown = mask_secrets(arguments, SECRET_MASK)  # all that converters see: no credential reaches a file or a log
+    conversion = Conversion(shown)
     unknown, idle = [], []
     for name, value in arguments.items():
         answer = answer_for(name)
@@ -155,9 +149,9 @@ def migrate(arguments: Any, source: str | None = None) -> Migration:
         at_default = value == defaults.get(name, value) if name in FIELDS or name in SEQ2SEQ_FIELDS \
             else value in answer.legacy_defaults
         if answer.kind in (ACCEPTED, PLUGIN):
-            conversion.convert(name, value, answer, at_default)
+            conversion.convert(name, shown[name], answer, at_default)
         elif not at_default:
-            conversion.lose(f"{name} = {show(value)}", answer.describe(name))
+            conversion.lose(f"{name} = {show(shown[name])}", answer.describe(name))
         elif answer.kind != BUILTIN:
             idle.append(name)
     migration = _finish(conversion, source or "TrainingArguments")
@@ -185,6 +179,10 @@ def _finish(c: Conversion, source: str) -> Migration:
         section, key = dotted.split(".", 1)
         schema = schemas.get(section)
         value = setting.value
+        unwritable = _unwritable(value, dotted)
+        if unwritable:
+            migration.lost.append((f"{setting.field} = {show(c.arguments[setting.field])}", unwritable))
+            continue
         if schema is not None:
             try:
                 value = check_value(schema, key, value, dotted)
@@ -249,6 +247,20 @@ def _load(plugins: list[str], problems: list[str]) -> tuple[dict[str, type], dic
         return schemas, None
     schemas.update({name: schema for name, schema in manager.option_schemas().items() if schema is not None})
     return schemas, manager.registries
+
+
+def _unwritable(value: Any, path: str) -> str | None:
+    """Why ``value`` cannot go into a run file: a null in it (TOML has none) or a credential (never written)."""
+    if value is None:
+        return f"{path} would be null, which a run file (TOML) cannot hold"
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if is_secret_name(key) and item is not None:
+            return f"{path}.{key} is a credential, never written to a run file: give it to the run another way"
+        problem = _unwritable(item, f"{path}.{key}" if isinstance(value, dict) else f"{path}[{key}]")
+        if problem:
+            return problem
+    return None
 
 
 def _default(schema: type, key: str) -> Any:

@@ -32,7 +32,9 @@ from typing import Any, Callable
 
 from . import accelerate_config
 from .catalogue import FIRST_PARTY, UNSUPPORTED_OPTIMIZERS, provider_of
+from .config import SECRET_MASK, check_nesting
 from .errors import ConfigError
+from .util import is_secret_name, mask_secrets, read_small_text
 
 ACCEPTED, PLUGIN, BUILTIN, REFUSED, NOT_YET = "accepted", "plugin", "builtin", "refused", "not yet"
 KINDS = (ACCEPTED, PLUGIN, BUILTIN, REFUSED, NOT_YET)
@@ -141,6 +143,32 @@ def show(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def load_json(text: str, what: str) -> Any:
+    """``text`` parsed as JSON; malformed, or nested deeper than the engine walks, a ConfigError naming ``what``."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"{what} is not JSON ({exc})") from None
+    except RecursionError:  # the parser recurses once per level
+        check_nesting(None, what)  # None: too deep to parse; this raises
+    if value is not None:
+        check_nesting(value, what)
+    return value
+
+
+def read_json_file(path: str, what: str) -> Any:
+    """The JSON in the file ``path`` names (a DeepSpeed or FSDP config), credentials masked."""
+    text = read_small_text(path, f"{what} {path}", f"name the {what} JSON file")
+    return mask_secrets(load_json(text, f"{what} {path}"), SECRET_MASK)
+
+
+def _flag(value: Any) -> bool:
+    """A true/false field: a string ("false" is truthy) or a number is refused, not read as a switch."""
+    if not isinstance(value, bool):
+        raise ConfigError("expected true or false")
+    return value
+
+
 # ---------------------------------------------------------------------------- converters
 
 
@@ -150,7 +178,7 @@ def _write(c: Conversion, name: str, value: Any) -> None:
 
 
 def _enable(c: Conversion, name: str, value: Any) -> None:
-    if value:
+    if value is not None and _flag(value):
         c.enable(c.answer.plugins[0])
 
 
@@ -166,7 +194,8 @@ def _static_space(c: Conversion, name: str, value: Any) -> None:
 
 
 def _count(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value != int(value) or value < 1:
         raise ConfigError("expected a whole number of steps, or a ratio in (0, 1)")
     return int(value)
 
@@ -177,7 +206,7 @@ def _steps_or_ratio(c: Conversion, name: str, value: Any) -> None:
         return
     if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1:
         max_steps = c.arguments.get("max_steps", -1)
-        if not isinstance(max_steps, int) or max_steps <= 0:
+        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps <= 0:
             raise ConfigError(f"a ratio of the total steps, which depend on the data when max_steps is unset; "
                               f"set train.{name} to a step count")
         steps = math.ceil(max_steps * value)  # as Trainer's TrainerState.compute_steps
@@ -187,7 +216,7 @@ def _steps_or_ratio(c: Conversion, name: str, value: Any) -> None:
 
 
 def _warmup(c: Conversion, name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise ConfigError("expected a step count or a ratio in [0, 1)")
     if 0 < value < 1:
         c.set("train.warmup_ratio", float(value))
@@ -195,10 +224,20 @@ def _warmup(c: Conversion, name: str, value: Any) -> None:
         c.set("train.warmup_steps", int(value))  # Trainer: int(warmup_steps)
 
 
+def _eval_strategy(c: Conversion, name: str, value: Any) -> None:
+    _write(c, name, value)
+    if value not in ("no", None):  # `engine plan` refuses evaluation without data
+        c.placeholder("data.eval_split", 0.1, "Trainer evaluated the eval_dataset it was given, which "
+                                              "TrainingArguments does not hold: a fraction of data.train held out, "
+                                              "or data.eval = a file, glob or dataset name")
+
+
 def _optim(c: Conversion, name: str, value: Any) -> None:
+    if not isinstance(value, str):
+        raise ConfigError("expected an optimizer name, e.g. 'adamw_torch'")
     if value in UNSUPPORTED_OPTIMIZERS:
         raise ConfigError(UNSUPPORTED_OPTIMIZERS[value])
-    provider = provider_of("optimizer", value) if isinstance(value, str) else None
+    provider = provider_of("optimizer", value)
     if provider is not None:
         c.enable(provider)
     if provider == "schedulefree":
@@ -218,23 +257,22 @@ def _sampling_strategy(c: Conversion, name: str, value: Any) -> None:
 
 def _group_by_length(c: Conversion, name: str, value: Any) -> None:
     """The older boolean that train_sampling_strategy = 'group_by_length' replaced."""
-    if value:
+    if _flag(value):
         c.set("train.train_sampling_strategy", "group_by_length")
 
 
 def _include_inputs(c: Conversion, name: str, value: Any) -> None:
     """The older boolean that include_for_metrics replaced."""
-    if value:
+    if _flag(value):
         c.set("train.include_for_metrics", ["inputs"])
 
 
 def _json_table(c: Conversion, name: str, value: Any) -> None:
     """A dict field Trainer also takes as a JSON string (lr_scheduler_kwargs)."""
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            raise ConfigError("expected a table or a JSON object") from None
+        value = load_json(value, "expected a table or a JSON object, got a string that")
+        if not isinstance(value, dict):
+            raise ConfigError("expected a table or a JSON object")
     _write(c, name, value)
 
 
@@ -256,7 +294,7 @@ def _report_to(c: Conversion, name: str, value: Any) -> None:
 
 
 def _push_to_hub(c: Conversion, name: str, value: Any) -> None:
-    if not value:
+    if not _flag(value):
         return
     c.enable("hub")
     if not c.arguments.get("hub_model_id"):
@@ -266,8 +304,7 @@ def _push_to_hub(c: Conversion, name: str, value: Any) -> None:
 
 
 def _secret(c: Conversion, name: str, value: Any) -> None:
-    masked = isinstance(value, str) and value.startswith("<") and value.endswith(">")  # to_dict()'s "<HUB_TOKEN>"
-    if value is not None and not masked:
+    if value is not None:  # masked by now (engine.migration); to_dict()'s "<HUB_TOKEN>" is Trainer's default
         raise ConfigError("a token is never written to a run file: set HF_TOKEN where the run starts "
                           "(or hub.token, which the engine masks)")
 
@@ -352,8 +389,8 @@ _TRAINER_FSDP: dict[str, Callable[..., None]] = {
     "xla": accelerate_config.accept_only(False, meaning="no XLA"),
     "xla_fsdp_v2": accelerate_config.accept_only(False, meaning="no XLA"),
     "xla_fsdp_grad_ckpt": accelerate_config.accept_only(False, meaning="no XLA"),
-    "limit_all_gathers": lambda mapping, key, value: mapping.note(
-        key, value, "FSDP1's rate limiter; FSDP2 has no such setting"),
+    "limit_all_gathers": accelerate_config.accept_only(True, False, meaning="FSDP1's rate limiter; FSDP2 has no "
+                                                                            "such setting"),
 }
 # what transformers' post-init adds to every fsdp_config, with or without fsdp
 _FSDP_POST_INIT = {"min_num_params": 0, "xla": False, "xla_fsdp_v2": False, "xla_fsdp_grad_ckpt": False}
@@ -376,12 +413,14 @@ def _apply_fsdp(c: Conversion, key: str, setting: str, value: Any) -> None:
 
 
 def _fsdp(c: Conversion, name: str, value: Any) -> None:
-    if not value:
+    if value is None or value is False or value in ("", []):
         return
+    words = [] if value is True else value.split() if isinstance(value, str) else value
+    if not isinstance(words, list) or not all(isinstance(word, str) for word in words):
+        raise ConfigError("expected true, or FSDP options such as 'full_shard auto_wrap'")
     c.enable("fsdp")
-    words = value.split() if isinstance(value, str) else value if isinstance(value, list) else []
     for word in words:  # older transformers: "full_shard auto_wrap offload"
-        accelerate_key, setting = _FSDP_WORDS.get(word, ("fsdp_sharding_strategy", str(word).upper()))
+        accelerate_key, setting = _FSDP_WORDS.get(word, ("fsdp_sharding_strategy", word.upper()))
         try:
             _apply_fsdp(c, f"fsdp {word!r}", accelerate_key[5:], setting)
         except ConfigError as exc:
@@ -390,10 +429,7 @@ def _fsdp(c: Conversion, name: str, value: Any) -> None:
 
 def _fsdp_config(c: Conversion, name: str, value: Any) -> None:
     if isinstance(value, str):  # Trainer reads a path at start
-        try:
-            value = json.loads(Path(value).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"cannot read {value} as a JSON file: {exc}") from None
+        value = read_json_file(value, "fsdp_config")
     if not value:
         return
     if not isinstance(value, dict):
@@ -417,21 +453,22 @@ _DEEPSPEED_TRAINER_AUTO = {"zero_optimization": ("reduce_bucket_size", "stage3_p
 
 
 def _deepspeed(c: Conversion, name: str, value: Any) -> None:
-    if not value:
+    if value is None or value in ("", {}):
         return
-    c.enable("deepspeed")
     config = value
     if isinstance(value, str):
         try:
-            config = json.loads(Path(value).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
+            config = read_json_file(value, "deepspeed")
+        except ConfigError as exc:
+            c.enable("deepspeed")
             c.set("deepspeed.config", value)  # the run reads it where it starts; `engine plan` checks it
-            c.note("deepspeed", f"deepspeed {value!r}", f"not readable here ({exc.__class__.__name__}): written as is")
+            c.note("deepspeed", f"deepspeed {value!r}", f"not readable here ({exc}): written as is")
             return
     if not isinstance(config, dict):
         raise ConfigError("expected the path of a DeepSpeed JSON file or a table")
+    c.enable("deepspeed")
     config = json.loads(json.dumps(config))  # a copy
-    changed = _without_nulls(c, config, "deepspeed")
+    changed = _remove(c, config, "deepspeed", _null)
     if "scheduler" in config:
         changed = True
         scheduler = config.pop("scheduler")
@@ -445,22 +482,32 @@ def _deepspeed(c: Conversion, name: str, value: Any) -> None:
                 c.lose(f"deepspeed.{table}.{key} = \"auto\"", "Trainer sizes it from the model's hidden size; "
                                                              "DeepSpeed's default applies (set a number to choose)")
     if isinstance(value, str) and not changed:
-        c.set("deepspeed.config", value)
+        c.set("deepspeed.config", value)  # the file as it is, credentials included: it is the user's
     else:
+        _remove(c, config, "deepspeed", _credential)
         c.set("deepspeed.config", config, note=f"the content of {value}" if isinstance(value, str) else "")
 
 
-def _without_nulls(c: Conversion, table: dict[str, Any], path: str) -> bool:
-    """Remove null values: TOML has none."""
+def _remove(c: Conversion, table: dict[str, Any], path: str, why: Callable[[str, Any], str | None]) -> bool:
+    """Remove from ``table``, at any depth, each value ``why(key, value)`` gives a reason for, lost with it."""
     changed = False
     for key in list(table):
-        if table[key] is None:
-            del table[key]
+        reason = why(key, table[key])
+        if reason:
+            c.lose(f"{path}.{key} = {show(table.pop(key))}", reason)
             changed = True
-            c.lose(f"{path}.{key} = null", "a run file (TOML) cannot hold null; DeepSpeed's default applies")
         elif isinstance(table[key], dict):
-            changed = _without_nulls(c, table[key], f"{path}.{key}") or changed
+            changed = _remove(c, table[key], f"{path}.{key}", why) or changed
     return changed
+
+
+def _null(key: str, value: Any) -> str | None:
+    return "a run file (TOML) cannot hold null; DeepSpeed's default applies" if value is None else None
+
+
+def _credential(key: str, value: Any) -> str | None:
+    return "a credential is never written to a run file: keep it in the DeepSpeed JSON file (deepspeed = its " \
+           "path)" if is_secret_name(key) else None
 
 
 # ---------------------------------------------------------------------------- the table
@@ -575,7 +622,7 @@ FIELDS: dict[str, Answer] = _named({
     "trackio_static_space_id": plugin("trackio", "static_space_id", convert=_static_space, note=(
         "a name: the snapshot Space made after training; the engine makes none unless named (Trainer's None "
         "makes one with a default name when pushing to the Hub)")),
-    "eval_strategy": accepted(),
+    "eval_strategy": accepted(convert=_eval_strategy),
     "eval_steps": accepted(convert=_steps_or_ratio, note=_STEP_NOTE),
     "eval_delay": accepted(),
     "per_device_eval_batch_size": accepted(),
@@ -668,7 +715,8 @@ FIELDS: dict[str, Answer] = _named({
 
 # names of older transformers releases (in older dumps); answers for the names they became
 LEGACY: dict[str, Answer] = _named({
-    "evaluation_strategy": dataclasses.replace(accepted("eval_strategy"), legacy_defaults=("no", None)),
+    "evaluation_strategy": dataclasses.replace(accepted("eval_strategy", convert=_eval_strategy),
+                                               legacy_defaults=("no", None)),
     "warmup_ratio": dataclasses.replace(accepted(), legacy_defaults=(0.0,)),
     "no_cuda": dataclasses.replace(accepted("use_cpu"), legacy_defaults=(False,)),
     "per_gpu_train_batch_size": dataclasses.replace(accepted("per_device_train_batch_size"), legacy_defaults=(None,)),

@@ -7,6 +7,7 @@ import inspect
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -127,6 +128,63 @@ def finite_json(value: Any) -> Any:
         return {key: finite_json(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         return [finite_json(item) for item in value]
+    return value
+
+
+def decode_utf8(data: bytes, what: str, fix: str = "save it as UTF-8") -> str:
+    """``data`` as text (a UTF-8 byte-order mark accepted); bytes that are not UTF-8 are a
+    ConfigError naming ``what``, the first bad byte and its line, and saying ``fix``."""
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise ConfigError(f"{what} is not UTF-8 text (byte 0x{data[exc.start]:02x} on line {line}); {fix}") from None
+
+
+def read_small_text(path: str | Path, what: str, fix: str, limit: int = 1 << 20) -> str:
+    """The UTF-8 text of ``path``, a regular file of at most ``limit`` bytes. A missing file, a folder, a
+    device or pipe (``/dev/zero`` would never end), a larger or binary file is one ConfigError naming
+    ``what`` and saying ``fix``."""
+    path = Path(path)
+    try:
+        if not path.is_file():
+            problem = ": no such file" if not path.exists() else " is a folder" if path.is_dir() else \
+                " is not a regular file"
+            raise ConfigError(f"{what}{problem}; {fix}")
+        with path.open("rb") as file:
+            data = file.read(limit + 1)  # no more, whatever its size says
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what}: {exc.strerror}") from None
+    if len(data) > limit:
+        raise ConfigError(f"{what} is larger than {limit:,} bytes; {fix}")
+    return decode_utf8(data, what, fix)
+
+
+def one_line(text: Any) -> str:
+    """``text`` (a string, or any key of a user's file) as it is when printable, else its repr: line breaks and
+    control characters escaped, so that it can neither break a one-line message nor end a TOML comment."""
+    text = str(text)
+    return text if text.isprintable() else repr(text)
+
+
+# a credential by its name: the last word is token, password, secret, api_key, ... (not tokens_seen, pad_token_id)
+_SECRET_NAME = re.compile(r"(?:^|[_\-.])(?:token|password|passwd|secret|credentials?|(?:api|access|secret|private)"
+                          r"[_\-]?key)$", re.IGNORECASE)
+
+
+def is_secret_name(name: Any) -> bool:
+    """True for the name of a credential (``hub_token``, ``wandb_api_key``, ``password``, ...)."""
+    return isinstance(name, str) and _SECRET_NAME.search(name) is not None
+
+
+def mask_secrets(value: Any, mask: str) -> Any:
+    """``value`` with every set value under a credential's name (:func:`is_secret_name`), in nested dicts
+    and lists, replaced by ``mask``: what may be shown or written of a configuration someone gave."""
+    if isinstance(value, dict):
+        return {key: mask if is_secret_name(key) and item is not None else mask_secrets(item, mask)
+                for key, item in value.items()}
+    if isinstance(value, list):
+        return [mask_secrets(item, mask) for item in value]
     return value
 
 

@@ -23,7 +23,8 @@ from engine.cli import main
 from engine.config import TrainConfig
 from engine.plugins import PluginManager, installed_plugins
 from engine.testing import assert_one_line_error
-from engine.trainer_args import ACCEPTED, FIELDS, KINDS, LEGACY, PLUGIN, SEQ2SEQ_FIELDS
+from engine.accelerate_config import FSDP_CONFIG
+from engine.trainer_args import _TRAINER_FSDP, ACCEPTED, FIELDS, KINDS, LEGACY, PLUGIN, SEQ2SEQ_FIELDS, show
 
 ROOT = Path(__file__).resolve().parents[1]
 DEEPSPEED_ZERO2 = {
@@ -68,9 +69,10 @@ def convert(folder, name, arguments, command=False):
     return tomllib.loads((folder / f"{name}.toml").read_text()), report
 
 
-def plan(folder, name, env=None):
-    """``engine plan NAME.toml``: (its text, its composed config parsed)."""
-    result = engine_command("plan", f"{name}.toml", cwd=folder, env=env)
+def plan(folder, name, *sets, env=None):
+    """``engine plan NAME.toml --set SET ...``: (its text, its composed config parsed)."""
+    result = engine_command("plan", f"{name}.toml", *(arg for item in sets for arg in ("--set", item)), cwd=folder,
+                            env=env)
     assert result.returncode == 0, result.stderr
     return result.stdout, tomllib.loads(result.stdout.split("config (defaults filled in):", 1)[1])
 
@@ -197,9 +199,11 @@ def test_lora_style_finetune_with_galore(tmp_path):
     assert "logging_steps -> train.logging_steps = 10 (0.05 x max_steps 200, rounded up as Trainer does)" in report
     assert "warmup_steps -> train.warmup_ratio = 0.1" in report
     assert "do_train = true: refused: a flag for training scripts" in report
-    assert "#   do_train = true: refused" in (tmp_path / "galore.toml").read_text()
+    text = (tmp_path / "galore.toml").read_text()
+    assert "#   do_train = true: refused" in text
+    assert "# eval_split = 0.1  # Trainer evaluated the eval_dataset it was given" in text  # plan refuses without
 
-    stdout, config = plan(tmp_path, "galore")
+    stdout, config = plan(tmp_path, "galore", "data.eval_split=0.1")
     assert "optimizer  selected 'galore_adamw' from galore" in stdout
     assert "scheduler  selected 'cosine' from builtin.schedulers" in stdout
     assert {key: config["train"][key] for key in run["train"]} == run["train"]
@@ -334,6 +338,23 @@ def test_bad_arguments_file(tmp_path, content, fragment):
     assert_one_line_error(engine_command("migrate", "args.json", cwd=tmp_path), fragment)
 
 
+@pytest.mark.parametrize("path, make, fragment", [
+    ("args", Path.mkdir, "args is a folder; name the JSON file TrainingArguments.to_json_file() wrote"),
+    ("/dev/zero", None, "/dev/zero is not a regular file; name the JSON file"),  # would never end
+    ("args.json", lambda p: p.write_bytes(b'{"output_dir": "\xff"}'), "args.json is not UTF-8 text (byte 0xff on "
+                                                                     "line 1)"),
+    ("args.json", lambda p: p.write_text(" " * (1 << 20) + "{}"), "args.json is larger than 1,048,576 bytes"),
+    ("args.json", lambda p: p.write_text('{"lr_scheduler_kwargs": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+     "args.json nests tables or arrays more than 32 levels deep; expected TrainingArguments.to_json_string() output"),
+    ("args.json", lambda p: p.write_text('{"deepspeed": ' + '{"a": ' * 40 + "1" + "}" * 41),
+     "args.json nests tables or arrays more than 32 levels deep"),  # parses, but too deep to walk
+])
+def test_special_large_binary_and_deep_arguments_files(tmp_path, path, make, fragment):
+    if make is not None:
+        make(tmp_path / path)
+    assert_one_line_error(engine_command("migrate", path, cwd=tmp_path), fragment)
+
+
 def test_an_existing_output_is_kept_unless_forced(tmp_path):
     (tmp_path / "args.json").write_text(json.dumps({"output_dir": "out", "learning_rate": 1e-3}))
     (tmp_path / "run.toml").write_text("# mine\n")
@@ -343,3 +364,125 @@ def test_an_existing_output_is_kept_unless_forced(tmp_path):
     result = engine_command("migrate", "args.json", "-o", "run.toml", "--force", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert tomllib.loads((tmp_path / "run.toml").read_text())["train"]["learning_rate"] == 1e-3
+
+
+# ---------------------------------------------------------------------------- credentials
+
+SECRETS = {"hub_token": "hf_SECRETa1hub", "push_to_hub_token": "hf_SECRETb2push",  # the field, and older releases'
+           "wandb_api_key": "SECRETc3wandb", "db_password": "SECRETd4pw"}  # fields of a subclass (TRL, a user's own)
+NESTED_SECRETS = {  # credentials inside tables
+    "lr_scheduler_kwargs": {"num_cycles": 0.5, "api_key": "SECRETe5kwargs"},
+    "accelerator_config": {"split_batches": True, "token": "SECRETf6accelerator"},
+    "fsdp_config": {"hf_token": "SECRETg7fsdp"},  # without fsdp: listed as not converted
+}
+COMET = {"enabled": True, "api_key": "SECRETh8comet"}  # DeepSpeed's Comet monitor takes an API key
+
+
+def _secrets_in(text):
+    return [secret for secret in [*SECRETS.values(), "SECRETe5", "SECRETf6", "SECRETg7", "SECRETh8"] if secret in text]
+
+
+@requires("deepspeed")
+def test_no_credential_reaches_the_run_file_the_report_or_the_plan(tmp_path, monkeypatch, capfd):
+    """Everything migrate writes (the run file, stdout, stderr) and everything `engine plan` prints of
+    the converted run (file descriptors captured: logging too), with a distinctive credential in every
+    place a dump can hold one."""
+    (tmp_path / "ds.json").write_text(json.dumps({**DEEPSPEED_ZERO2, "comet": COMET}))
+    # a path to a file whose content is written (its scheduler is dropped), and an inline table
+    for deepspeed in ("ds.json", {**DEEPSPEED_ZERO2, "comet": COMET}):
+        migration = engine.migrate({"output_dir": "out", **SECRETS, **NESTED_SECRETS, "deepspeed": deepspeed})
+        assert _secrets_in(migration.toml() + migration.report()) == []
+    (tmp_path / "args.json").write_text(json.dumps({"output_dir": "out", **SECRETS, **NESTED_SECRETS,
+                                                    "deepspeed": "ds.json"}))
+    monkeypatch.chdir(tmp_path)
+    capfd.readouterr()
+    assert main(["migrate", "args.json", "-o", "run.toml"]) == 0
+    stdout, stderr = capfd.readouterr()
+    run_file = (tmp_path / "run.toml").read_text()
+    assert _secrets_in(stdout + stderr + run_file) == []
+    for line in ('hub_token = "***": a token is never written to a run file: set HF_TOKEN',
+                 'push_to_hub_token = "***": refused: set HF_TOKEN',
+                 'deepspeed.comet.api_key = "***": a credential is never written to a run file',
+                 'lr_scheduler_kwargs = {"num_cycles": 0.5, "api_key": "***"}: train.lr_scheduler_kwargs.api_key is a '
+                 'credential, never written to a run file',
+                 'accelerator_config = {"split_batches": true, "token": "***"}: refused',
+                 'fsdp_config = {"hf_token": "***"}: used only with fsdp'):
+        assert f"\n  {line}" in stderr and f"\n#   {line}" in run_file
+    assert "wandb_api_key, db_password" in stderr  # named as unknown fields, never their values
+    run = tomllib.loads(run_file)
+    assert run["deepspeed"]["config"]["comet"] == {"enabled": True}  # the rest of the table is kept
+    assert "lr_scheduler_kwargs" not in run["train"]
+
+    assert main(["plan", "run.toml"]) == 0
+    stdout, stderr = capfd.readouterr()
+    assert "strategy   selected 'deepspeed' from deepspeed" in stdout
+    assert _secrets_in(stdout + stderr) == []
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["args.json", "ds.json", "run.toml"]
+
+
+# ---------------------------------------------------------------------------- values of the wrong type
+
+WRONG = [None, "false", "yes", [1, 2], [[1]], {"a": 1}, {"a": None}, 2.5, -1, float("inf"), float("nan"), True,
+         10**30]
+
+
+@pytest.mark.parametrize("wrong", WRONG, ids=repr)
+def test_every_field_of_a_wrong_type_is_listed_never_a_crash(wrong):
+    """Every field (and every fsdp_config key) at once at a value of a type it may not take: a run file
+    that parses, whose values its sections' schemas accept (migrate checks them); a key with a line
+    break ends no comment of it."""
+    fsdp_keys = [*_TRAINER_FSDP, *FSDP_CONFIG, 'x\nplugins = ["evil"]']
+    for arguments in ({name: wrong for name in [*FIELDS, *SEQ2SEQ_FIELDS, *LEGACY]},
+                      {"output_dir": "out", "fsdp": True, "fsdp_config": {key: wrong for key in fsdp_keys}}):
+        migration = engine.migrate(arguments)
+        assert tomllib.loads(migration.toml()) == migration.mapping
+        assert migration.report()
+
+
+def test_values_of_the_wrong_type_are_listed_with_what_the_field_takes():
+    deep = '{"power": ' + "[" * 40 + "]" * 40 + "}"  # a JSON string Trainer would parse
+    migration = engine.migrate({
+        "output_dir": "out", "use_liger_kernel": "false", "push_to_hub": "false", "group_by_length": "true",
+        "logging_steps": float("inf"), "warmup_steps": float("nan"), "optim": ["adamw_torch"], "deepspeed": True,
+        "fsdp": 3, "learning_rate": "1e-3", "activation_checkpointing_kwargs": {"every_n_layers": None},
+        "lr_scheduler_kwargs": deep})
+    assert migration.plugins == []  # "false" enabled liger and the hub, true DeepSpeed without a config
+    lost = dict(migration.lost)
+    assert lost == {
+        'use_liger_kernel = "false"': "expected true or false",
+        'push_to_hub = "false"': "expected true or false",
+        'group_by_length = "true"': "expected true or false",
+        "logging_steps = Infinity": "expected a whole number of steps, or a ratio in (0, 1)",
+        "warmup_steps = NaN": "expected a step count or a ratio in [0, 1)",
+        'optim = ["adamw_torch"]': "expected an optimizer name, e.g. 'adamw_torch'",
+        "deepspeed = true": "expected the path of a DeepSpeed JSON file or a table",
+        "fsdp = 3": "expected true, or FSDP options such as 'full_shard auto_wrap'",
+        'learning_rate = "1e-3"': "train.learning_rate: expected float, got str '1e-3'",
+        'activation_checkpointing_kwargs = {"every_n_layers": null}': "train.activation_checkpointing_kwargs."
+                                                                 "every_n_layers would be null, which a run file "
+                                                                 "(TOML) cannot hold",
+        f"lr_scheduler_kwargs = {show(deep)}":
+            "expected a table or a JSON object, got a string that nests tables or arrays more than 32 levels deep"}
+
+
+def test_fsdp_config_values_of_the_wrong_type_are_listed(tmp_path):
+    (tmp_path / "deep.json").write_text('{"a": ' * 40 + "1" + "}" * 40)
+    migration = engine.migrate({"output_dir": "out", "fsdp": True, "fsdp_config": {
+        "sharding_strategy": [1], "state_dict_type": {"FULL_STATE_DICT": 1}, "fsdp_version": True,
+        "transformer_layer_cls_to_wrap": [3], "cpu_offload": "maybe", "backward_prefetch": 1}})
+    assert migration.plugins == ["fsdp"] and migration.sections["fsdp"] == {}
+    assert dict(migration.lost) == {
+        "fsdp_config.sharding_strategy = [1]": "the engine maps FULL_SHARD (1), SHARD_GRAD_OP (2) and HYBRID_SHARD (4)",
+        'fsdp_config.state_dict_type = {"FULL_STATE_DICT": 1}': "the engine saves FULL_STATE_DICT or "
+                                                                "SHARDED_STATE_DICT",
+        "fsdp_config.version = true": "expected 1 or 2",
+        "fsdp_config.transformer_layer_cls_to_wrap = [3]": "expected class names, e.g. 'LlamaDecoderLayer' or "
+                                                           "'BertLayer,BertEmbeddings'",
+        'fsdp_config.cpu_offload = "maybe"': "expected true or false",
+        "fsdp_config.backward_prefetch = 1": "FSDP2 prefetches the next block before each block's backward "
+                                             "(BACKWARD_PRE) and has no other policy"}
+    for path, problem in (("/dev/zero", "is not a regular file"), (str(tmp_path), "is a folder"),
+                          (str(tmp_path / "deep.json"), "nests tables or arrays more than 32 levels deep")):
+        migration = engine.migrate({"output_dir": "out", "fsdp": True, "fsdp_config": path})
+        assert dict(migration.lost) == {f"fsdp_config = {show(path)}": f"fsdp_config {path} {problem}" + (
+            "; name the fsdp_config JSON file" if "nests" not in problem else "")}
