@@ -5,6 +5,8 @@
 * :func:`scalar_metrics` keeps the numbers of a ``log_metrics`` call (trackers plot scalars).
 * :func:`samples_table` renders a ``log_samples`` call as a markdown table (text trackers show).
 * :func:`tracker_run_name` is the run's name for a tracker (``train.run_name`` or output_dir's).
+* :func:`wait_for_server` asks a server whether it answers before a network client starts, for a
+  bounded time and with a line on screen (clients retry for minutes, or wait forever).
 * :class:`BackgroundSender` sends a slow client's calls from a thread so steps never wait on
   the network; an error it met is raised on the next call, where the isolated logging hooks
   report it by the plugin's name.
@@ -18,6 +20,7 @@ import json
 import logging
 import queue
 import threading
+import time
 from typing import Any, Callable
 
 from . import hookimpl
@@ -93,6 +96,46 @@ def samples_table(samples: list[dict[str, Any]]) -> str:
 def tracker_run_name(run: Any) -> str:
     """The run's name for trackers: ``train.run_name``, or output_dir's folder name."""
     return run.config.train.run_name or run.output_dir.resolve().name
+
+
+def wait_for_server(url: str, timeout: float, plugin: str) -> None:
+    """Return once the HTTP server at ``url`` answers (any status); a ConnectionError naming ``plugin``
+    when nothing listens there, or when it does not answer within ``timeout`` seconds.
+
+    Network clients retry a connection that fails for minutes (MLflow: about 4, with nothing on
+    screen) or wait forever for a server that accepts and never answers (huggingface_hub's API
+    calls have no timeout). Asking first bounds the start of a run: a refused connection or an
+    unknown host fails at once, a silent server after ``timeout`` seconds (``<plugin>.connect_timeout``),
+    with a line on screen while it waits. The isolated hooks report the error once (or end the
+    run with strict); at configure time it is the plugin's refusal.
+    """
+    import ssl
+    import urllib.error
+    import urllib.request
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)  # without user:password@ (the answer is all that counts; nothing to show)
+    url = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
+    deadline = time.monotonic() + timeout
+    waiting = False  # the line is shown once the server did not answer within a second
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with urllib.request.urlopen(url, timeout=max(left if waiting else min(left, 1.0), 0.1)):
+                return
+        except urllib.error.HTTPError:  # an error status (401, 404) is an answer
+            return
+        except OSError as exc:  # URLError (refused, unknown host), a timeout, a closed connection
+            reason = getattr(exc, "reason", exc)
+            if isinstance(reason, ssl.SSLError):  # it answered; the client checks certificates its own way
+                return
+            if not isinstance(reason, TimeoutError):
+                raise ConnectionError(f"{plugin}: cannot reach {url}: {reason}") from None
+            if waiting or time.monotonic() >= deadline:
+                raise ConnectionError(f"{plugin}: {url} did not answer within {timeout:g} s "
+                                      f"({plugin}.connect_timeout)") from None
+            logger.info("%s: connecting to %s (timeout %g s)", plugin, url, timeout)
+            waiting = True
 
 
 class BackgroundSender:

@@ -68,6 +68,8 @@ class HubOptions:
         "message of the pushes during training ({step} is the step); the end pushes 'End of training'"))
     retries: int = option(3, min=0, help="retries of a failed push, waiting retry_delay, then twice as long, ...")
     retry_delay: float = option(2.0, min=0, help="seconds before the first retry")
+    connect_timeout: float = option(20.0, min=1, help=(
+        "seconds to wait for the Hub (HF_ENDPOINT) to answer when the run starts; a Hub that does not is refused"))
     strict: bool = option(False, help="a failed push ends the run (default: reported at the end, training goes on)")
 
 
@@ -221,7 +223,7 @@ class Hub:
             raise ConfigError("hub.private = true needs a token to create the repo: set hub.token or HF_TOKEN, "
                               "or log in with `hf auth login`")
         self.options = options
-        self.target = open_target(repo, self.token, options.private, options.revision)
+        self.target = open_target(repo, self.token, options.private, options.revision, options.connect_timeout)
         if is_main_process():  # before the strategy exists: the launcher's rank
             self.target.check()
 

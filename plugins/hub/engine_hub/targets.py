@@ -137,14 +137,21 @@ def is_repo_id(repo: str) -> bool:
 class HubTarget(Target):
     """A model repo on the Hugging Face Hub (or the server ``HF_ENDPOINT`` names)."""
 
-    def __init__(self, repo_id: str, token: str | None, private: bool, revision: str | None):
+    def __init__(self, repo_id: str, token: str | None, private: bool, revision: str | None,
+                 connect_timeout: float):
         self.repo_id, self.token, self.private, self.revision = repo_id, token, private, revision
+        self.connect_timeout = connect_timeout
         self.description = f"the Hub repo {repo_id}" + (f" (branch {revision})" if revision else "")
 
     def check(self) -> None:
         import huggingface_hub
+        from huggingface_hub import constants
+
+        from engine.tracking import wait_for_server
 
         try:
+            # huggingface_hub's API calls have no timeout: a Hub that never answers would hold the start forever
+            wait_for_server(constants.ENDPOINT, self.connect_timeout, "hub")
             huggingface_hub.create_repo(self.repo_id, token=self.token, private=self.private, exist_ok=True)
             if self.revision:
                 huggingface_hub.create_branch(self.repo_id, branch=self.revision, token=self.token, exist_ok=True)
@@ -187,7 +194,8 @@ def is_filesystem(repo: str) -> bool:
     return "://" in repo or repo.startswith(("/", "./", "../", "~")) or repo in (".", "..")
 
 
-def open_target(repo: str, token: str | None, private: bool, revision: str | None) -> Target:
+def open_target(repo: str, token: str | None, private: bool, revision: str | None,
+                connect_timeout: float) -> Target:
     if is_filesystem(repo):
         return FilesystemTarget(repo)
-    return HubTarget(repo, token, private, revision)
+    return HubTarget(repo, token, private, revision, connect_timeout)

@@ -4,6 +4,7 @@ stops training, the token is written nowhere, and bad input is one line before t
 
 import logging
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -254,3 +255,24 @@ def test_bad_input_is_one_line_before_training(cli, tmp_path, hub, train, fragme
     assert len(err) == 1 and err[0].startswith("engine: error: "), err
     assert fragment in err[0], err[0]
     assert not (tmp_path / "out").exists()  # nothing trained, nothing written
+
+
+def test_a_hub_that_never_answers_is_refused_within_connect_timeout(cli, tmp_path, monkeypatch):
+    """huggingface_hub's API calls have no timeout: create_repo used to wait forever, saying nothing."""
+    import huggingface_hub.constants
+
+    silent = socket.socket()  # connections queue up in its backlog; nothing ever answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", url)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # a user's online setup
+    try:
+        status, err = cli({"repo": "user/model", "token": TOKEN, "connect_timeout": 2})
+    finally:
+        silent.close()
+    assert status == 2
+    assert err == [f"engine: hub: connecting to {url} (timeout 2 s)",
+                   "engine: error: hub.repo: cannot create or reach the Hub repo user/model: ConnectionError: hub: "
+                   f"{url} did not answer within 2 s (hub.connect_timeout)"]
+    assert not (tmp_path / "out").exists()

@@ -6,6 +6,13 @@ call over HTTP before it returns, which would stall steps, so metrics are collec
 as one batch every ``send_interval`` seconds, from a thread, as are uploads (the cost per
 step: benchmarks/trackers.py). The run id is kept in checkpoints, so a resumed training run
 continues the same MLflow run.
+
+MLflow's client retries a request that cannot connect for about 4 minutes (7 retries with
+backoff: MLFLOW_HTTP_REQUEST_MAX_RETRIES, MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR), with nothing on
+screen. So a tracking server is first asked whether it answers, for at most ``connect_timeout``
+seconds, with a line saying so; one that does not is a failure of this plugin (switched off, or
+the end of the run with ``strict = true``). Marking the MLflow run finished at the end waits as
+long at most.
 """
 
 from __future__ import annotations
@@ -18,7 +25,8 @@ from pathlib import Path
 from typing import Literal
 
 from engine import hookimpl, option
-from engine.tracking import BackgroundSender, Tracker, flatten_config, scalar_metrics, tracker_run_name
+from engine.tracking import (BackgroundSender, Tracker, flatten_config, scalar_metrics, tracker_run_name,
+                             wait_for_server)
 
 logger = logging.getLogger("engine")
 
@@ -42,6 +50,9 @@ class MLflowOptions:
         "model ('checkpoints')"))
     send_interval: float = option(1.0, min=0, help=(
         "seconds between the batches of metrics sent to the tracking server (0: one request per log)"))
+    connect_timeout: float = option(20.0, min=1, help=(
+        "seconds to wait for a tracking server to answer when the run starts (and when it ends); one that does not "
+        "switches the tracker off (strict = true: ends the run)"))
     strict: bool = option(False, help="a tracking failure ends the run (default: reported, then switched off)")
 
 
@@ -65,6 +76,8 @@ class MLflowTracker(Tracker):
         if not uri:
             run.output_dir.mkdir(parents=True, exist_ok=True)
             uri = f"sqlite:///{(run.output_dir / 'mlflow.db').resolve()}"
+        if uri.startswith(("http://", "https://")):
+            wait_for_server(uri, options.connect_timeout, "mlflow")
         self.client = client = MlflowClient(uri)
         flat = flatten_config(params, max_key_length=MAX_KEY_LENGTH, max_value_length=MAX_VALUE_LENGTH,
                               tracker="mlflow")
@@ -122,11 +135,15 @@ class MLflowTracker(Tracker):
 
         self._send_pending()  # (a sender that failed sends nothing more)
         sender, self.sender = self.sender, None
+        client, run_id = self.client, self.run_id
         if status == "success" and run.config.section("mlflow").log_artifacts != "none":
-            client, run_id = self.client, self.run_id
             for name in final_model_files(run.output_dir):
                 sender.submit(lambda path=run.output_dir / name: client.log_artifact(run_id, str(path), "model"))
         try:
             sender.close()
         finally:
-            self.client.set_terminated(self.run_id, "FINISHED" if status == "success" else "FAILED")
+            # from a thread of its own, waited for connect_timeout at most: a server gone since
+            # would hold the end of the run for MLflow's minutes of retries
+            ending = BackgroundSender("mlflow-end")
+            ending.submit(lambda: client.set_terminated(run_id, "FINISHED" if status == "success" else "FAILED"))
+            ending.close(timeout=run.config.section("mlflow").connect_timeout)

@@ -3,6 +3,7 @@ with MlflowClient; also the test that runs all four trackers at once and resumes
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -10,8 +11,8 @@ import time
 import pytest
 from mlflow import MlflowClient
 
-from engine import hookimpl
-from engine.testing import logged_scalars, run_steps, same_weights, tiny_dataset, tiny_model
+from engine import PluginError, hookimpl
+from engine.testing import free_port, logged_scalars, run_steps, same_weights, tiny_dataset, tiny_model
 from engine.tracking import flatten_config
 from engine_mlflow.server import Server
 
@@ -125,6 +126,42 @@ def test_a_server_killed_mid_run_never_stops_training(tmp_path, caplog):
     record = json.loads((tmp_path / "out" / "run.json").read_text())
     assert record["status"] == "finished" and list(record["switched_off"]) == ["mlflow"]
     assert len(logged_scalars(tmp_path / "out")) == len(logged_scalars(tmp_path / "plain"))
+
+
+def test_a_server_that_is_not_there_is_reported_at_once_and_a_silent_one_after_connect_timeout(
+        tmp_path, capfd, monkeypatch):
+    """MLflow's client retried a closed port for about 4 minutes before the first step, saying nothing,
+    and waits 120 s per try for a server that never answers."""
+    for name in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT"):  # MLflow's own defaults
+        monkeypatch.delenv(name)
+    closed = f"http://127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    capfd.readouterr()
+    run_steps(3, plugins=["mlflow"], output_dir=tmp_path / "out", sections={"mlflow": {"tracking_uri": closed}})
+    assert time.monotonic() - started < 60
+    shown = capfd.readouterr().err.splitlines()
+    switched_off = [line for line in shown if line.startswith("engine: plugin 'mlflow': ")]
+    assert len(switched_off) == 1, switched_off
+    assert (f"log_hyperparams raised ConnectionError: mlflow: cannot reach {closed}: [Errno 111] Connection refused "
+            "at step 0") in switched_off[0]
+    record = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert record["status"] == "finished" and list(record["switched_off"]) == ["mlflow"]
+    assert {step for _, step in logged_scalars(tmp_path / "out")} == {1, 2, 3}
+
+    silent = socket.socket()  # connections queue up in its backlog; nothing ever answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    uri = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    sections = {"mlflow": {"tracking_uri": uri, "connect_timeout": 2, "strict": True}}
+    try:
+        with pytest.raises(PluginError, match=r"plugin 'mlflow' \(mlflow.strict = true\) failed in log_hyperparams at "
+                                              rf"step 0: ConnectionError: mlflow: {uri} did not answer within 2 s "
+                                              r"\(mlflow.connect_timeout\)"):
+            run_steps(3, plugins=["mlflow"], output_dir=tmp_path / "strict", sections=sections)
+    finally:
+        silent.close()
+    assert f"engine: mlflow: connecting to {uri} (timeout 2 s)" in capfd.readouterr().err.splitlines()
+    assert not (tmp_path / "strict" / "metrics.jsonl").exists()  # it stopped before the first step
 
 
 def test_strict_makes_a_server_outage_end_the_run(tmp_path):

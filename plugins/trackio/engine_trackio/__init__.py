@@ -11,10 +11,11 @@ so a resumed training run continues the same run.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from engine import ConfigError, hookimpl, option
-from engine.tracking import Tracker, scalar_metrics, tracker_run_name
+from engine.tracking import Tracker, scalar_metrics, tracker_run_name, wait_for_server
 
 
 @dataclass
@@ -30,6 +31,9 @@ class TrackioOptions:
         "after a successful run, a static read-only snapshot Space of the project made from space_id "
         "(trackio.freeze; TrainingArguments.trackio_static_space_id)"))
     group: str | None = option(None, help="group runs together in the dashboard")
+    connect_timeout: float = option(20.0, min=1, help=(
+        "logging to a Space or a trackio server: seconds to wait for it to answer when the run starts; one that "
+        "does not switches the tracker off (strict = true: ends the run)"))
     strict: bool = option(False, help="a tracking failure ends the run (default: reported, then switched off)")
 
 
@@ -54,6 +58,9 @@ class TrackioTracker(Tracker):
         import trackio
 
         options = run.config.section("trackio")
+        remote = _remote_url(options)
+        if remote is not None:  # its client waits forever for a server that never answers
+            wait_for_server(remote, options.connect_timeout, "trackio")
         resuming = self.run_id is not None
         self.trackio_run = trackio.init(
             project=options.project, name=self.run_id or options.run_name or tracker_run_name(run),
@@ -77,3 +84,13 @@ class TrackioTracker(Tracker):
 
                 trackio.freeze(space_id=options.space_id, project=options.project,
                                new_space_id=options.static_space_id, bucket_id=options.bucket_id)
+
+
+def _remote_url(options: TrackioOptions) -> str | None:
+    """The server trackio logs to: the Hub's for a Space (space_id, or TRACKIO_SPACE_ID as trackio
+    reads it), TRACKIO_SERVER_URL; None for the local store."""
+    if options.space_id or os.environ.get("TRACKIO_SPACE_ID"):
+        from huggingface_hub import constants
+
+        return constants.ENDPOINT
+    return os.environ.get("TRACKIO_SERVER_URL")

@@ -11,10 +11,13 @@ API key is W&B's business: this plugin never reads, logs or stores it.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from engine import hookimpl, option
 from engine.tracking import Tracker, scalar_metrics, tracker_run_name
+
+logger = logging.getLogger("engine")
 
 
 @dataclass
@@ -24,6 +27,9 @@ class WandbOptions:
     name: str | None = option(None, help="the W&B run's name; default train.run_name or output_dir's name")
     tags: list[str] = option(help="tags of the run", default_factory=list)
     group: str | None = option(None, help="group runs together (e.g. the runs of one sweep)")
+    connect_timeout: float = option(30.0, min=1, help=(
+        "seconds wandb.init may take (its init_timeout; W&B's default is 90): a server that does not answer in "
+        "time switches the tracker off (strict = true: ends the run)"))
     strict: bool = option(False, help="a tracking failure ends the run (default: reported, then switched off)")
 
 
@@ -42,11 +48,17 @@ class WandbTracker(Tracker):
 
         options = run.config.section("wandb")
         run.output_dir.mkdir(parents=True, exist_ok=True)
-        self.wandb_run = wandb.init(
-            project=options.project or os.environ.get("WANDB_PROJECT") or "engine", entity=options.entity,
-            name=options.name or tracker_run_name(run), tags=options.tags or None, group=options.group,
-            config=params, dir=str(run.output_dir), id=self.run_id, resume="allow" if self.run_id else None,
-            reinit="create_new")
+        logger.info("wandb: starting the W&B run (timeout %g s)", options.connect_timeout)
+        try:
+            self.wandb_run = wandb.init(
+                settings=wandb.Settings(init_timeout=options.connect_timeout),
+                project=options.project or os.environ.get("WANDB_PROJECT") or "engine", entity=options.entity,
+                name=options.name or tracker_run_name(run), tags=options.tags or None, group=options.group,
+                config=params, dir=str(run.output_dir), id=self.run_id, resume="allow" if self.run_id else None,
+                reinit="create_new")
+        except wandb.errors.CommError as exc:  # its message goes on with advice about init_timeout, lines of it
+            raise ConnectionError(f"wandb: {str(exc).splitlines()[0]} (within wandb.connect_timeout = "
+                                  f"{options.connect_timeout:g} s)") from None
         self.run_id = self.wandb_run.id
 
     @hookimpl
