@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import xxhash
 
-from .config import START_KEYS
+from .config import START_KEYS, RunConfig
 from .errors import CheckpointError, ConfigError, PluginError, TrainingDiverged
 from .layout import (
     DELETING,
@@ -99,6 +99,9 @@ SCHEDULE_KEYS = ("train.learning_rate", "train.lr_scheduler_type", "train.lr_sch
 # optimizer into the restored one (the learning rate through initial_lr and the scheduler)
 GROUP_KEYS = {"train.learning_rate": ("initial_lr",), "train.weight_decay": ("weight_decay",),
               "train.adam_beta1": ("betas",), "train.adam_beta2": ("betas",), "train.adam_epsilon": ("eps",)}
+# [train] keys besides the data order's (data_order) that change the batches of an epoch, as the
+# [data] keys and the plugins' sections may (a create_datasets plugin)
+DATA_TRAIN_KEYS = ("train.model", "train.task", "train.dataloader_drop_last")
 _CHUNK = 8 << 20  # bytes read at a time
 _THREADED_BYTES = 64 << 20
 
@@ -765,6 +768,64 @@ def find_resume_checkpoint(run: Run, folder_run_id: str | None) -> Path | None:
     return path
 
 
+# train.resume_from_checkpoint names a first-party plugin fetches -> that plugin
+CHECKPOINT_SOURCES = {"hub": "hub"}
+# strings that read as a boolean in other formats (YAML, JSON from a shell): here they would be a path
+_BOOLEAN_WORDS = {"true": True, "yes": True, "on": True, "false": False, "no": False, "off": False, "none": False,
+                  "null": False}
+
+
+def check_resume_spec(config: RunConfig) -> None:
+    """Refuse a ``train.resume_from_checkpoint`` string that cannot mean what it says, at configure time.
+
+    As in Trainer, a string is a path (Trainer too reads "true" as a folder named true): a word
+    that reads as a boolean elsewhere, or a name only a plugin that is not enabled fetches, is
+    refused with the fix unless such a folder exists.
+    """
+    spec = config.train.resume_from_checkpoint
+    if not isinstance(spec, str):
+        return
+    key = f"train.resume_from_checkpoint = {spec!r}"
+    if not spec.strip():
+        raise ConfigError(f"{key}: an empty string; name a checkpoint folder, or write true (the newest "
+                          "checkpoint in output_dir) or false")
+    if Path(spec).is_dir():
+        return
+    word = _BOOLEAN_WORDS.get(spec.strip().lower())
+    if word is not None:
+        meaning = "true (the boolean, without quotes: the newest checkpoint in output_dir)" if word else \
+            "false (the boolean, without quotes: start fresh), or leave it unset"
+        raise ConfigError(f"{key} is a string, read as a checkpoint folder, and there is no folder {spec!r}; "
+                          f"write {meaning}, e.g. --set train.resume_from_checkpoint={str(word).lower()}")
+    plugin = CHECKPOINT_SOURCES.get(spec)
+    if plugin is not None and plugin not in config.plugins:
+        raise ConfigError(f"{key}: {spec!r} is fetched by the {plugin} plugin (engine-{plugin}), which this run "
+                          f"does not enable; enable it with plugins = [\"{plugin}\"] and its [{plugin}] section, or "
+                          f"--plugins +{plugin}")
+
+
+# peft's adapter layout (a LoRA checkpoint holds these instead of the whole model)
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def check_weights_kind(run: Run, folder: Path, key: str) -> None:
+    """Refuse a folder whose weights are not the kind this run loads (an adapter without the plugin that
+    loads adapters, a whole model with it), saying which it is and what to change."""
+    wanted = run.weights.files(folder)
+    if all((folder / name).exists() for name in wanted):
+        return
+    loads_adapters = set(ADAPTER_FILES) <= set(wanted)
+    if not loads_adapters and all((folder / name).is_file() for name in ADAPTER_FILES):
+        kind = "an adapter checkpoint" if (folder / MARKER).is_file() else "an adapter"
+        raise CheckpointError(f"{key}: {folder} is {kind} ({', '.join(ADAPTER_FILES)}: the adapter alone, not the "
+                              "whole model), which only the peft plugin loads; enable it with plugins = [\"peft\"] "
+                              "in the run file, or --plugins +peft")
+    if loads_adapters and any((folder / name).is_file() for name in (WEIGHTS, WEIGHTS_INDEX)):
+        raise CheckpointError(f"{key}: {folder} holds a whole model ({WEIGHTS}), and this run's plugins load "
+                              f"adapter files ({', '.join(wanted)}); use it without the adapter plugin (peft), or "
+                              f"train a new adapter on these weights with train.model = '{folder}'")
+
+
 def validate(run: Run, path: Path) -> None:
     """Refuse a folder that is not a complete checkpoint of this run, naming what is wrong."""
     if not path.is_dir():
@@ -774,6 +835,7 @@ def validate(run: Run, path: Path) -> None:
         raise CheckpointError(f"resume_from_checkpoint: can't resume from a save_only_model checkpoint: {path} holds "
                               "the model but no optimizer, scheduler or RNG state (train.save_only_model = true); "
                               "start a fresh run from its weights with train.model = its path")
+    check_weights_kind(run, path, "resume_from_checkpoint")
     strategy_files = run.strategy.checkpoint_files(path)
     required = (MARKER, *REQUIRED, *strategy_files)
     missing = [name for name in required if not (path / name).exists()]
@@ -947,10 +1009,16 @@ def load(run: Run, path: str | Path) -> None:
     path = Path(path)
     trainer_state = _read_trainer_state(path)
     strategy, train = run.strategy, run.config.train
-    if trainer_state["steps_per_epoch"] != run.state.steps_per_epoch:
-        raise CheckpointError(f"resume_from_checkpoint: {path} had {trainer_state['steps_per_epoch']} steps "
-                              f"per epoch, this run has {run.state.steps_per_epoch}: the train data changed")
     changes = config_changes(trainer_state["config"], run.config.to_mapping())
+    if trainer_state["steps_per_epoch"] != run.state.steps_per_epoch:
+        # the data order's keys were compared in validate: what is left is the data itself
+        data_keys = [(key, old, new) for key, old, new in changes
+                     if not key.startswith("train.") or key in DATA_TRAIN_KEYS]
+        why = ("changed since the checkpoint: " + ", ".join(f"{key} {old!r} -> {new!r}" for key, old, new in data_keys)
+               + "; resume with the checkpoint's values, or start a fresh output_dir") if data_keys else \
+            "the train data changed (no key that selects it did: its contents differ); resume with the same data"
+        raise CheckpointError(f"resume_from_checkpoint: {path} had {trainer_state['steps_per_epoch']} steps "
+                              f"per epoch, this run has {run.state.steps_per_epoch}: {why}")
     # every file is read and checked against the run before the weights load, so a bad one
     # leaves the model as it was built
     engine_state = load_state_file(path, "engine_state.pt", expect=("strategy", "plugins"))

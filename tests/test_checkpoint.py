@@ -1,6 +1,7 @@
 """Checkpoints, resume, rotation, best model, final model, evaluation and prediction."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -10,9 +11,10 @@ import torch
 
 import engine.checkpoint as ckpt
 from engine import CheckpointError, ConfigError, Run, hookimpl
+from engine.cli import main
 from engine.data import DataCollator
 from engine.logs import process_log_level
-from engine.testing import tiny_dataset, tiny_model
+from engine.testing import tiny_dataset, tiny_model, write_run_file
 
 
 def _params(model):
@@ -243,6 +245,49 @@ def test_a_changed_dataset_is_refused(saved):
         run.train()
 
 
+def _engine(capfd, *argv):
+    """``engine <argv>`` in this process: its exit status and stderr lines."""
+    capfd.readouterr()
+    status = main([str(arg) for arg in argv])
+    return status, [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+
+
+def test_a_resume_refused_for_other_data_names_the_keys_that_changed(tmp_path, capfd):
+    run_file = write_run_file(tmp_path, [], max_steps=2, save_steps=2)
+    assert _engine(capfd, "train", run_file)[0] == 0
+    for edit, change in [("data.max_length=16", "data.max_length 32 -> 16"),
+                         ("data.tokenizer_vocab_size=400", "data.tokenizer_vocab_size 300 -> 400")]:
+        status, err = _engine(capfd, "train", run_file, "--set", "train.max_steps=4", "--set",
+                              "train.resume_from_checkpoint=true", "--set", edit)
+        assert status == 2 and len(err) == 1, err
+        # it used to end in "...: the train data changed", naming no key
+        assert re.fullmatch(rf"engine: error: resume_from_checkpoint: {re.escape(str(tmp_path / 'out'))}/checkpoint-2 "
+                            rf"had \d+ steps per epoch, this run has \d+: changed since the checkpoint: "
+                            rf"{re.escape(change)}; resume with the checkpoint's values, or start a fresh output_dir",
+                            err[0]), err[0]
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    ("true", "train.resume_from_checkpoint = 'true' is a string, read as a checkpoint folder, and there is no folder "
+             "'true'; write true (the boolean, without quotes: the newest checkpoint in output_dir), e.g. --set "
+             "train.resume_from_checkpoint=true"),
+    ("False", "train.resume_from_checkpoint = 'False' is a string, read as a checkpoint folder, and there is no folder "
+              "'False'; write false (the boolean, without quotes: start fresh), or leave it unset"),
+    ("hub", "train.resume_from_checkpoint = 'hub': 'hub' is fetched by the hub plugin (engine-hub), which this run "
+            'does not enable; enable it with plugins = ["hub"] and its [hub] section, or --plugins +hub'),
+    ("", "train.resume_from_checkpoint = '': an empty string; name a checkpoint folder"),
+])
+def test_resume_strings_that_name_no_folder_are_refused_at_configure(tmp_path, capfd, monkeypatch, spec, fragment):
+    monkeypatch.chdir(tmp_path)
+    status, err = _engine(capfd, "plan", "--set", f'train.resume_from_checkpoint="{spec}"', "--set",
+                          f'train.output_dir="{tmp_path / "out"}"')
+    assert status == 2 and len(err) == 1 and err[0].startswith(f"engine: error: {fragment}"), err
+    assert not (tmp_path / "out").exists()
+    if spec:  # such a folder is a path, as in Trainer
+        (tmp_path / spec).mkdir()
+        assert _engine(capfd, "plan", "--set", f'train.resume_from_checkpoint="{spec}"')[0] == 0
+
+
 def test_cli_resume_errors_are_one_line_and_nothing_runs(tmp_path):
     run_file = tmp_path / "run.toml"
     run_file.write_text(f'[train]\nmax_steps = 2\noutput_dir = "{tmp_path / "out"}"\n'
@@ -316,7 +361,7 @@ def test_load_best_model_at_end_loads_the_best_weights_and_saves_them(tmp_path):
 
 def test_best_metric_defaults_follow_trainer(tmp_path):
     run = _run(tmp_path, {"eval_strategy": "steps", "save_strategy": "steps", "save_steps": 10,
-                          "eval_steps": 5, "load_best_model_at_end": True})
+                          "eval_steps": 5, "load_best_model_at_end": True}, eval_dataset=tiny_dataset(8, seed=1))
     assert run.config.train.metric_for_best_model == "loss" and run.config.train.greater_is_better is False
     run = _run(tmp_path, {"metric_for_best_model": "accuracy"})
     assert run.config.train.greater_is_better is True

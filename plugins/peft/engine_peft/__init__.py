@@ -20,7 +20,9 @@ when training ends: ``run.model`` stays the trained ``PeftModel``.
 
 from __future__ import annotations
 
+import difflib
 import logging
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +45,10 @@ LORA_ONLY = ("r", "lora_alpha", "lora_dropout", "bias", "use_rslora", "use_dora"
 # options that build an adapter: a PeftModel given to Run(model=...) has its own config
 ADAPTER_OPTIONS = (*LORA_ONLY, "method", "target_modules", "exclude_modules", "modules_to_save",
                    "layers_to_transform", "feedforward_modules", "quantize")
+# the 4-bit base's options: with quantize = '8bit' or none they would be ignored
+FOUR_BIT_OPTIONS = ("bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype")
+# the layer index in a module path, as peft reads it for layers_to_transform (the first numbered part)
+LAYER_INDEX = re.compile(r".*?\.[^.]*\.(\d+)\.")
 # optimizers that only make sense on full weight matrices, which an adapter run freezes
 FULL_MATRIX_OPTIMIZERS = "GaLore and APOLLO project the gradients of the weight matrices optim_target_modules selects"
 
@@ -64,7 +70,8 @@ class PeftOptions:
         "modules trained in full and saved with the adapter (e.g. lm_head, embed_tokens for new tokens)"))
     bias: Literal["none", "all", "lora_only"] = option("none", help="which biases train (and are saved with it)")
     use_rslora: bool = option(False, help="rank-stabilized LoRA: scale by lora_alpha / sqrt(r)")
-    use_dora: bool = option(False, help="weight-decomposed LoRA (DoRA); method = 'dora' sets it")
+    use_dora: bool | None = option(None, help=(
+        "weight-decomposed LoRA (DoRA), peft's key for method = 'dora'; unset: true for method = 'dora'"))
     init_lora_weights: bool | Literal["gaussian", "pissa", "olora", "orthogonal"] = option(True, help=(
         "LoRA initialisation: true (B = 0, A Kaiming), false (random B: not an identity at start), "
         "gaussian, pissa, olora, orthogonal"))
@@ -108,7 +115,7 @@ def peft_config(options: PeftOptions) -> Any:
         return peft.LoraConfig(**common, layers_to_transform=options.layers_to_transform, r=options.r,
                                lora_alpha=options.lora_alpha,
                                lora_dropout=options.lora_dropout, bias=options.bias, use_rslora=options.use_rslora,
-                               use_dora=options.use_dora or options.method == "dora",
+                               use_dora=options.method == "dora" or bool(options.use_dora),
                                init_lora_weights=options.init_lora_weights)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"peft: peft refuses this {options.method} config: {exc}") from None
@@ -120,23 +127,109 @@ def _changed_options(options: PeftOptions, names: tuple[str, ...]) -> list[str]:
 
 
 def wrap(model: torch.nn.Module, options: PeftOptions) -> Any:
-    """``get_peft_model``; target modules that match nothing are refused listing the model's modules."""
+    """``get_peft_model``, refusing options that name modules or layers the model does not have (peft
+    drops those silently) and target modules that end up adapting nothing."""
     import peft
 
     config = peft_config(options)
+    _check_module_names(model, options)
     try:
         with warnings.catch_warnings():  # peft asks transformers' deprecated is_gradient_checkpointing
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-            return peft.get_peft_model(model, config)
+            wrapped = peft.get_peft_model(model, config)
     except ValueError as exc:  # NoMatchingPeftModuleError is a ValueError
         if "not found in the base model" in str(exc) or "No modules were targeted" in str(exc):
-            names = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d))
-                            or type(module).__name__ in ("Conv1D", "Linear4bit", "Linear8bitLt")})
-            raise ConfigError(f"peft.target_modules: {options.target_modules!r} matches no module of "
-                              f"{type(model).__name__}; its linear and embedding modules are "
-                              f"{', '.join(names)} (or use 'all-linear')") from None
+            _refuse_unknown(model, "target_modules", options.target_modules)
         raise ConfigError(f"peft: peft cannot wrap {type(model).__name__}: {exc}") from None
+    _check_targeted(wrapped, model, options)
+    return wrapped
+
+
+def _module_paths(model: torch.nn.Module) -> list[str]:
+    return [path for path, _ in model.named_modules() if path]
+
+
+def _leaf_names(model: torch.nn.Module, adaptable: bool) -> list[str]:
+    """The last parts of the model's module paths (of its linear, embedding and conv modules: those
+    peft can adapt), without layer numbers."""
+    names = {path.rsplit(".", 1)[-1] for path, module in model.named_modules()
+             if path and (not adaptable or isinstance(module, (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d))
+                          or type(module).__name__ in ("Conv1D", "Linear4bit", "Linear8bitLt"))}
+    return sorted(name for name in names if not name.isdigit())
+
+
+def _refuse_unknown(model: torch.nn.Module, key: str, name: str) -> None:
+    """A module name (or regex) that matches nothing: the closest name, and the names there are."""
+    if key == "modules_to_save":
+        kind, leaves = "modules", _leaf_names(model, adaptable=False)
+    else:
+        kind, leaves = "linear and embedding modules", _leaf_names(model, adaptable=True)
+    close = difflib.get_close_matches(name.rsplit(".", 1)[-1], leaves, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ConfigError(f"peft.{key}: {name!r} matches no module of {type(model).__name__}{hint}; its {kind} are "
+                      f"{', '.join(leaves)}")
+
+
+def _names(value: list[str] | str | None) -> list[str]:
+    """The module names of an option given as a list (a string is a regex, or 'all-linear')."""
+    return list(value) if isinstance(value, list) else []
+
+
+def _selects(name: str, path: str) -> bool:
+    """peft's rule for target_modules and exclude_modules: the path, or its last parts."""
+    return path == name or path.endswith(f".{name}")
+
+
+def _saved(names: list[str], path: str) -> bool:
+    """peft's rule for keeping modules_to_save out of the adapter: the module or a part of it."""
+    return any(re.match(rf"(^|.*\.){re.escape(name)}($|\..*)", path) for name in names)
+
+
+def _check_module_names(model: torch.nn.Module, options: PeftOptions) -> None:
+    """Refuse a module name that matches nothing, and a target module the other options take away again."""
+    paths = _module_paths(model)
+    for name in options.modules_to_save:  # peft matches these by the end of the path
+        if not any(path.endswith(name) for path in paths):
+            _refuse_unknown(model, "modules_to_save", name)
+    for key in ("target_modules", "exclude_modules"):
+        for name in _names(getattr(options, key)):
+            if not any(_selects(name, path) for path in paths):
+                _refuse_unknown(model, key, name)
+    if isinstance(options.exclude_modules, str) and not any(re.fullmatch(options.exclude_modules, p) for p in paths):
+        raise ConfigError(f"peft.exclude_modules: the regex {options.exclude_modules!r} matches no module path of "
+                          f"{type(model).__name__} (it must match a whole path, e.g. 'model.layers.0.mlp.up_proj')")
+    excluded = _names(options.exclude_modules)
+    for name in _names(options.target_modules):
+        selected = [path for path in paths if _selects(name, path)]
+        if all(_saved(options.modules_to_save, path) for path in selected):
+            raise ConfigError(f"peft.modules_to_save and peft.target_modules both name {name!r}: a module is either "
+                              "trained in full (modules_to_save) or adapted (target_modules); remove it from one")
+        if all(any(_selects(other, path) for other in excluded) for path in selected):
+            raise ConfigError(f"peft.exclude_modules excludes every module peft.target_modules = {name!r} selects, "
+                              "so it would adapt nothing; remove it from one of them")
+
+
+def _check_targeted(wrapped: Any, model: torch.nn.Module, options: PeftOptions) -> None:
+    """Options that act on the adapted modules only (IA3's feedforward modules, LoRA's layers) must
+    find some among them."""
+    targeted = list(getattr(wrapped, "targeted_module_names", []))
+    feedforward = options.feedforward_modules
+    if options.method == "ia3" and feedforward is not None:
+        regex = isinstance(feedforward, str)  # else names, matched by the end of the path
+        for name in [feedforward] if regex else feedforward:
+            if not any(re.fullmatch(name, path) if regex else path.endswith(name) for path in targeted):
+                leaves = sorted({path.rsplit(".", 1)[-1] for path in targeted})
+                raise ConfigError(f"peft.feedforward_modules: {name!r} matches none of the adapted modules "
+                                  f"({', '.join(leaves)}: peft.target_modules); name one of them, or add it to "
+                                  "target_modules")
+    if options.layers_to_transform:
+        adapted = {int(m.group(1)) for path in targeted if (m := LAYER_INDEX.match(path))}
+        missing = sorted(set(options.layers_to_transform) - adapted)
+        if missing:
+            layers = sorted({int(m.group(1)) for path in _module_paths(model) if (m := LAYER_INDEX.match(f"{path}."))})
+            shown = f"{layers[0]}-{layers[-1]}" if layers else "none"
+            raise ConfigError(f"peft.layers_to_transform: no module of layer {', '.join(map(str, missing))} is "
+                              f"adapted; {type(model).__name__} has layers {shown}")
 
 
 def describe(model: Any) -> list[str]:
@@ -146,7 +239,8 @@ def describe(model: Any) -> list[str]:
     matched = list(getattr(model, "targeted_module_names", []))
     shown = ", ".join(matched[:8]) + (f", ... ({len(matched)} in all)" if len(matched) > 8 else "")
     kind = config.peft_type.value + (" (DoRA)" if getattr(config, "use_dora", False) else "")
-    return [f"peft: {kind} adapter on {len(matched)} modules: {shown}",
+    in_full = f"; trained in full: {', '.join(sorted(config.modules_to_save))}" if config.modules_to_save else ""
+    return [f"peft: {kind} adapter on {len(matched)} modules: {shown}{in_full}",
             f"peft: trainable parameters {trainable:,} of {total:,} ({100 * trainable / total:.4f} %)"]
 
 
@@ -186,6 +280,17 @@ def _check_composition(run: Any, options: PeftOptions) -> None:
     if entry.takes_target_modules:
         raise ConfigError(f"train.optim: {train.optim!r} cannot train adapters: {FULL_MATRIX_OPTIMIZERS}, and with "
                           "peft those are frozen (only the small adapter matrices train); use adamw_torch")
+    if options.method == "dora" and options.use_dora is False:
+        raise ConfigError("peft.use_dora = false contradicts peft.method = 'dora' (DoRA is LoRA with use_dora = "
+                          "true); remove use_dora, or set method = 'lora'")
+    if options.layers_to_transform and isinstance(options.target_modules, str):
+        raise ConfigError(f"peft.layers_to_transform picks layers of the modules a list of names selects, but "
+                          f"peft.target_modules = {options.target_modules!r} is a string (a regex, or 'all-linear'); "
+                          "give target_modules as names, e.g. ['q_proj', 'v_proj']")
+    changed = _changed_options(options, FOUR_BIT_OPTIONS)
+    if changed and options.quantize != "4bit":
+        raise ConfigError(f"peft.{changed[0]}: an option of the 4-bit base, but peft.quantize is "
+                          f"{options.quantize!r}; set quantize = '4bit', or remove {changed[0]}")
     if options.method == "ia3":
         changed = _changed_options(options, LORA_ONLY)
         if changed:

@@ -48,8 +48,15 @@ def test_plan_shows_the_adapter_and_bad_options_are_one_line_errors(tmp_path, ca
     # hidden 32: q_proj 4 x (32 + 32), v_proj (k/v heads 2 of 4: 16 wide) 4 x (32 + 16), two layers
     assert "trainable parameters 896 of " in plan.stdout, plan.stdout
     for edits, kind in ((["peft.method=dora"], "LORA (DoRA) adapter on 4 modules"),
+                        (["peft.use_dora=true"], "LORA (DoRA) adapter on 4 modules"),
                         (["peft.method=ia3", "peft.r=8", 'peft.feedforward_modules=["v_proj"]'],
-                         "IA3 adapter on 4 modules")):
+                         "IA3 adapter on 4 modules"),
+                        # lm_head trained in full besides the adapter: 896 + its 1024 x 32 weights (the plan's
+                        # model has tiny-llama's vocabulary; the tokenizer is trained later)
+                        (['peft.modules_to_save=["lm_head"]'], "LORA adapter on 4 modules: "
+                         "model.layers.0.self_attn.q_proj, model.layers.0.self_attn.v_proj, model.layers.1.self_attn."
+                         "q_proj, model.layers.1.self_attn.v_proj; trained in full: lm_head\n  peft: trainable "
+                         "parameters 33,664 of ")):
         plan = _cli(capfd, "plan", str(run_file), *[arg for edit in edits for arg in ("--set", edit)])
         assert plan.returncode == 0 and f"peft: {kind}" in plan.stdout, plan.stderr
     saved = tmp_path / "saved"
@@ -57,9 +64,35 @@ def test_plan_shows_the_adapter_and_bad_options_are_one_line_errors(tmp_path, ca
     galore = ["--plugins", "+galore", "--set", "train.optim=galore_adamw", "--set", 'train.optim_target_modules=["q_proj"]']
     for edits, fragment in [
         (["peft.rank=4"], "peft.rank: unknown key; known keys: method, r, lora_alpha, "),
-        (['peft.target_modules=["qproj"]'], "peft.target_modules: ['qproj'] matches no module of LlamaForCausalLM; "
-                                           "its linear and embedding modules are down_proj, embed_tokens, "
-                                           "gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"),
+        (['peft.target_modules=["qproj"]'], "peft.target_modules: 'qproj' matches no module of LlamaForCausalLM "
+                                           "(did you mean 'q_proj'?); its linear and embedding modules are down_proj, "
+                                           "embed_tokens, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"),
+        # every option that names modules or layers: a name that matches nothing was dropped by peft
+        (['peft.target_modules=["q_proj", "vproj"]'], "peft.target_modules: 'vproj' matches no module of "
+                                                     "LlamaForCausalLM (did you mean 'v_proj'?)"),
+        (['peft.modules_to_save=["lm_heads"]'], "peft.modules_to_save: 'lm_heads' matches no module of "
+                                               "LlamaForCausalLM (did you mean 'lm_head'?); its modules are act_fn, "
+                                               "down_proj, embed_tokens, gate_proj, input_layernorm, k_proj, layers, "
+                                               "lm_head, mlp, model, norm, o_proj, "),
+        (['peft.exclude_modules=["vproj"]'], "peft.exclude_modules: 'vproj' matches no module of LlamaForCausalLM "
+                                            "(did you mean 'v_proj'?)"),
+        (['peft.exclude_modules="model.layers.0.q_proj"'], "peft.exclude_modules: the regex 'model.layers.0.q_proj' "
+                                                          "matches no module path of LlamaForCausalLM"),
+        (["peft.layers_to_transform=[0, 5]"], "peft.layers_to_transform: no module of layer 5 is adapted; "
+                                              "LlamaForCausalLM has layers 0-1"),
+        (["peft.method=ia3", "peft.r=8", "peft.feedforward_modules=up_proj"],
+         "peft.feedforward_modules: 'up_proj' matches none of the adapted modules (q_proj, v_proj: "
+         "peft.target_modules)"),
+        # contradictions, naming both keys
+        (["peft.method=dora", "peft.use_dora=false"], "peft.use_dora = false contradicts peft.method = 'dora'"),
+        (["peft.target_modules=all-linear", "peft.layers_to_transform=[0]"],
+         "peft.layers_to_transform picks layers of the modules a list of names selects, but peft.target_modules = "
+         "'all-linear' is a string (a regex, or 'all-linear')"),
+        (['peft.modules_to_save=["v_proj"]'], "peft.modules_to_save and peft.target_modules both name 'v_proj'"),
+        (['peft.exclude_modules=["q_proj"]'], "peft.exclude_modules excludes every module peft.target_modules = "
+                                             "'q_proj' selects"),
+        (["peft.bnb_4bit_quant_type=fp4"], "peft.bnb_4bit_quant_type: an option of the 4-bit base, but peft.quantize "
+                                           "is None; set quantize = '4bit'"),
         (["peft.quantize=4bit"], "peft.quantize: train.model = 'tiny-llama' is built from a config with random "
                                  "weights, so there are no weights to quantize"),
         (["peft.quantize=4bit", "peft.merge=true", f"train.model={saved}"], "peft.merge: a quantized base cannot"),
@@ -104,6 +137,31 @@ def test_adapter_checkpoints_resume_exactly_and_refuse_another_base(tmp_path):
     assert "its adapter was trained on base 'tiny-llama' (config " in message and "the weights differ" in message
     assert message.count("weights ") >= 2  # both fingerprints named
     assert not (tmp_path / "other" / "metrics.jsonl").exists()
+
+
+def test_an_adapter_checkpoint_without_peft_and_a_whole_model_with_it_are_refused_saying_so(tmp_path, capfd):
+    run_files = []
+    for name, plugins in (("lora", ["peft"]), ("plain", [])):
+        (tmp_path / name).mkdir()
+        run_files.append(write_run_file(tmp_path / name, plugins, {"peft": LORA} if plugins else None,
+                                        max_steps=2, save_steps=2))
+        trained = _cli(capfd, "train", str(run_files[-1]))
+        assert trained.returncode == 0, trained.stderr
+    lora, plain = run_files
+    adapter, whole = (run_file.parent / "out" / "checkpoint-2" for run_file in run_files)
+    enable = ("is an adapter checkpoint (adapter_config.json, adapter_model.safetensors: the adapter alone, not the "
+              'whole model), which only the peft plugin loads; enable it with plugins = ["peft"] in the run file, '
+              "or --plugins +peft")
+    # it used to be "not a complete checkpoint (missing model.safetensors)", and evaluate said so after loading
+    resumed = _cli(capfd, "train", str(lora), "--plugins", "-peft", "--set", "train.max_steps=4", "--set",
+                   "train.resume_from_checkpoint=true")
+    assert_one_line_error(resumed, f"resume_from_checkpoint: {adapter} {enable}")
+    assert_one_line_error(_cli(capfd, "evaluate", str(lora), "--plugins", "-peft", "--checkpoint", str(adapter)),
+                          f"--checkpoint: {adapter} {enable}")
+    assert_one_line_error(_cli(capfd, "evaluate", str(plain), "--plugins", "+peft", "--checkpoint", str(whole)),
+                          f"--checkpoint: {whole} holds a whole model (model.safetensors), and this run's plugins load "
+                          "adapter files (adapter_model.safetensors, adapter_config.json, base_fingerprint.json)")
+    assert not any(path.name == "eval_results.json" for path in tmp_path.rglob("*"))
 
 
 FRESH_PROCESS = """
@@ -224,7 +282,8 @@ def _word_tokenizer(vocab_size=128):
 
 
 def _quantized_run(base, output_dir, quantize, steps, **train):
-    run = engine.Run({"plugins": ["peft"], "peft": {**LORA, "quantize": quantize, "bnb_4bit_compute_dtype": "float32"},
+    four_bit = {"bnb_4bit_compute_dtype": "float32"} if quantize == "4bit" else {}
+    run = engine.Run({"plugins": ["peft"], "peft": {**LORA, "quantize": quantize, **four_bit},
                       "train": {"model": str(base), "max_steps": steps, "per_device_train_batch_size": 4,
                                 "learning_rate": 1e-2, "logging_steps": 1, "disable_tqdm": True,
                                 "output_dir": str(output_dir), "save_strategy": "steps", "save_steps": 2, **train}},
