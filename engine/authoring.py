@@ -19,6 +19,8 @@ import difflib
 import importlib
 import importlib.util
 import inspect
+import os
+import pkgutil
 import re
 import string
 import sys
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from . import __version__, hookspecs
+from .config import CORE_SECTIONS, TOP_LEVEL_KEYS
 from .errors import ConfigError, PluginError
 from .plugins import ENTRY_POINT_GROUP, InstalledPlugin, inspect_plugin, installed_plugins
 
@@ -253,23 +256,51 @@ def hook_contract(hook_name: str, indent: int) -> str:
     return "\n".join(pad + line if line else "" for line in text.splitlines()).lstrip()
 
 
-NAME_PATTERN = re.compile(r"[a-z][a-z0-9_]*")
+# a Python identifier that makes a valid distribution name (engine-<name>: no trailing or double "-")
+NAME_PATTERN = re.compile(r"[a-z][a-z0-9]*(_[a-z0-9]+)*")
+MAX_NAME_LENGTH = 40  # it names a [section], a module, a distribution and files
+
+
+def _taken_by(name: str) -> str | None:
+    """What a run already calls ``name``, so that a plugin's [name] section would collide with it."""
+    from . import builtin
+
+    if name in CORE_SECTIONS:
+        return f"[{name}] is the run file's own section"
+    if name in TOP_LEVEL_KEYS:
+        return f"{name} is a key of the run file itself"
+    if name in {module.name for module in pkgutil.iter_modules(builtin.__path__)}:
+        return f"{name} is a builtin plugin (engine.builtin.{name})"
+    if name in ("engine", "builtin"):
+        return f"{name} is the engine's own name"
+    return None
+
+
+def _check_name(name: str) -> None:
+    if len(name) > MAX_NAME_LENGTH:
+        raise ConfigError(f"engine plugins new: the name has {len(name)} characters, more than {MAX_NAME_LENGTH}; "
+                          "give a short one (it names the [section], the module engine_<name> and the distribution)")
+    if not NAME_PATTERN.fullmatch(name):
+        raise ConfigError(f"engine plugins new: {name!r} is not a plugin name; use lower-case letters and digits, "
+                          "starting with a letter, words joined by single underscores (it names the entry point, "
+                          "the [section], the module engine_<name> and the distribution engine-<name>)")
+    taken = _taken_by(name)
+    if taken is not None:
+        raise ConfigError(f"engine plugins new: a plugin's options are its section [{name}] of a run file, but "
+                          f"{taken}; pick another name (e.g. 'my_{name}')")
+    if name in installed_plugins():
+        raise ConfigError(f"engine plugins new: a plugin named {name!r} is installed already "
+                          f"({installed_plugins()[name].distribution}); pick another name")
 
 
 def scaffold(name: str, kind: str, parent: Path) -> Path:
     """Write the plugin package ``parent/engine-<name>`` for ``kind``; returns its folder."""
-    if not NAME_PATTERN.fullmatch(name):
-        raise ConfigError(f"engine plugins new: {name!r} is not a plugin name; use lower-case letters, digits and "
-                          "underscores, starting with a letter (it names the entry point, the [section] and the "
-                          "module engine_<name>)")
+    _check_name(name)
     if kind not in KINDS:
         raise ConfigError(f"engine plugins new --kind: {kind!r} is not a kind; choose one of {', '.join(KINDS)}")
-    if name in installed_plugins():
-        raise ConfigError(f"engine plugins new: a plugin named {name!r} is installed already "
-                          f"({installed_plugins()[name].distribution}); pick another name")
     distribution = f"engine-{name.replace('_', '-')}"
     folder = parent / distribution
-    if folder.exists():
+    if os.path.exists(folder):  # False for a path the OS refuses (too long): writing says why
         raise ConfigError(f"engine plugins new: {folder} exists already; remove it or choose --dir")
     class_name = "".join(part.title() for part in name.split("_")) + CLASS_KINDS.get(kind, "")
     values = {

@@ -22,14 +22,26 @@ import base64
 import html
 import json
 import math
+import re
+import typing
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .errors import ConfigError
 from .layout import CURVES, HYPERPARAMS, METRICS, PREFIX, RECORD, REPORT, REPORT_HTML, SAMPLES
+from .util import decode_utf8
 
 DEFAULT_SIZE = (800, 450)  # pixels of each curve
+SIZE_RANGE = (100, 4000)  # pixels per side: legible, and a figure's memory stays bounded
+# what the report reads of each file, and the kinds it can use
+METRICS_TYPES = {"step": int}
+SAMPLES_TYPES = {"step": int, "prompt": (str, list[dict]), "completion": str}
+HYPERPARAMS_TYPES = {"plugins": list[str], "train": dict, "train.max_steps": int, "train.metric_for_best_model": str,
+                     "train.greater_is_better": bool, "early_stopping": dict}
+RECORD_TYPES = {"status": str, "run_id": str, "starts": list, "versions": dict, "versions.plugins": dict,
+                "switched_off": (dict, list[str])}
 # evaluation metrics that time the evaluation rather than judge the model
 TIMING = ("_runtime", "_samples_per_second", "_steps_per_second")
 CURVE_TITLES = {"loss": "loss", "eval": "evaluation metrics", "learning_rate": "learning rate",
@@ -38,23 +50,97 @@ NO_PLOTS = ("Curves need matplotlib, which is not installed here: `pip install '
             "`pip install matplotlib`), then `engine report {dirs}` draws them.")
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The complete records of a JSONL file (a line cut short by a kill is left out)."""
+def _read_text(path: Path) -> str | None:
+    """The text of one of the run's files; None when it is not there."""
+    if not path.is_file():
+        return None
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"report: cannot read {path}: {exc.strerror}") from None
+    return decode_utf8(data, f"report: {path}", fix="a damaged file?")
+
+
+def _json_name(value: Any) -> str:
+    return {dict: "object", list: "list", str: "string", int: "integer", bool: "boolean", float: "number",
+            type(None): "null"}.get(value if isinstance(value, type) else type(value), "?")
+
+
+def _is(value: Any, kind: Any) -> bool:
+    """``value`` is of ``kind``: a type (a boolean is no integer), ``list[item kind]`` or a tuple of kinds."""
+    if isinstance(kind, tuple):
+        return any(_is(value, k) for k in kind)
+    if typing.get_origin(kind) is list:
+        return isinstance(value, list) and all(_is(item, typing.get_args(kind)[0]) for item in value)
+    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+
+
+def _kind_name(kind: Any) -> str:
+    if isinstance(kind, tuple):
+        return " or ".join(map(_kind_name, kind))
+    if typing.get_origin(kind) is list:
+        return f"list of {_kind_name(typing.get_args(kind)[0])}"
+    return _json_name(kind)
+
+
+def _shown(value: Any) -> str:
+    """A value as a message shows it: its JSON kind and the start of its JSON text."""
+    if value is None:
+        return "missing"
+    text = json.dumps(value, ensure_ascii=False)
+    return f"{_json_name(value)} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+def _check_types(data: dict[str, Any], types: dict[str, Any], where: str, required: bool = False) -> None:
+    """Refuse a value the report would trip over: ``types`` maps each (dotted) key the report reads
+    to the kind it can use; an absent key or null passes unless ``required``."""
+    for key, kind in types.items():
+        value: Any = data
+        for part in key.split("."):  # "train.max_steps": "train" is checked before it
+            value = value.get(part) if isinstance(value, dict) else None
+        if value is None and not required or _is(value, kind):
+            continue
+        raise ConfigError(f"report: {where}: {key} is {_shown(value)}, expected {_kind_name(kind)} "
+                          "(a damaged or edited file?)")
+
+
+def _read_jsonl(path: Path, types: dict[str, Any]) -> list[dict[str, Any]]:
+    """The records of a JSONL file, each an object with the keys ``types`` requires. A last line
+    without its newline that is not JSON was cut short by a kill, and is left out."""
+    text = _read_text(path)
+    lines = text.split("\n") if text is not None else []
     rows = []
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                continue
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            if number == len(lines):
+                break
+            raise ConfigError(f"report: {path} line {number} is not JSON: {exc} (a damaged file?)") from None
+        if not isinstance(row, dict):
+            raise ConfigError(f"report: {path} line {number} holds a JSON {_json_name(row)}, expected an object "
+                              "(a damaged or edited file?)")
+        _check_types(row, types, f"{path} line {number}", required=True)
+        rows.append(row)
     return rows
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+def _read_json(path: Path, types: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A JSON object file ({} when it is not there), with the kinds ``types`` names."""
+    text = _read_text(path)
+    if text is None:
         return {}
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"report: {path} is not valid JSON: {exc} (a damaged file?)") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"report: {path} holds a JSON {_json_name(data)}, expected an object "
+                          "(a damaged or edited file?)")
+    _check_types(data, types or {}, str(path))
+    return data
 
 
 def _is_eval_metric(key: str) -> bool:
@@ -77,17 +163,17 @@ class RunFiles:
     @classmethod
     def read(cls, folder: str | Path, name: str | None = None) -> RunFiles:
         folder = Path(folder)
-        metrics = _read_jsonl(folder / METRICS)
+        metrics = _read_jsonl(folder / METRICS, METRICS_TYPES)
         if not metrics:
             what = "is not a folder" if not folder.is_dir() else \
                 f"has no {METRICS}" if not (folder / METRICS).is_file() else f"has an empty {METRICS}"
             raise ConfigError(f"report: {folder} {what}, so there is nothing to report (give a run's "
                               f"train.output_dir; a run writes {METRICS} from its first log step)")
-        checkpoints = sorted((p.name for p in folder.glob(f"{PREFIX}*") if p.name[len(PREFIX):].isdigit()),
-                             key=lambda n: int(n[len(PREFIX):]))
-        return cls(folder, name or folder.resolve().name, metrics, _read_json(folder / HYPERPARAMS),
-                   _read_json(folder / RECORD), _read_jsonl(folder / SAMPLES), checkpoints,
-                   _read_json(folder / "adapter_config.json"))
+        checkpoints = sorted((p.name for p in folder.glob(f"{PREFIX}*")
+                              if p.name[len(PREFIX):].isdecimal() and p.is_dir()), key=lambda n: int(n[len(PREFIX):]))
+        return cls(folder, name or folder.resolve().name, metrics, _read_json(folder / HYPERPARAMS, HYPERPARAMS_TYPES),
+                   _read_json(folder / RECORD, RECORD_TYPES), _read_jsonl(folder / SAMPLES, SAMPLES_TYPES),
+                   checkpoints, _read_json(folder / "adapter_config.json"))
 
     @property
     def train(self) -> dict[str, Any]:
@@ -110,7 +196,7 @@ class RunFiles:
 
     @property
     def last_step(self) -> int:
-        return max(r.get("step", 0) for r in self.metrics)
+        return max(r["step"] for r in self.metrics)
 
     def final_metrics(self) -> dict[str, Any]:
         """The last value of each metric: training (loss, learning rate, ...), evaluation, summary."""
@@ -417,20 +503,38 @@ def _curves_section(doc: Document, runs: list[RunFiles], out: Path, size: tuple[
     written = []
     for name, figure in drawn.items():
         path = out / f"report-{name}.png"
-        tmp = path.with_name(f".{path.name}.tmp")
-        figure.savefig(tmp, format="png")
-        tmp.replace(path)
+        _write_file(path, lambda tmp: figure.savefig(tmp, format="png"))
         doc.image(path, CURVE_TITLES[name])
         written.append(path)
     return written
 
 
+def _write_file(path: Path, write: Callable[[Path], Any]) -> None:
+    """``write`` a temporary file beside ``path``, then rename it: a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(tmp)
+        tmp.replace(path)
+    except OSError as exc:
+        with suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise ConfigError(f"report: cannot write {path}: {exc.strerror or exc}; choose another folder with --out") \
+            from None
+
+
 def _write(out: Path, doc: Document) -> Path:
     for name, text in ((REPORT, doc.markdown()), (REPORT_HTML, doc.html())):
-        tmp = out / f".{name}.tmp"
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(out / name)
+        _write_file(out / name, lambda tmp: tmp.write_text(text, encoding="utf-8"))
     return out / REPORT
+
+
+def _make_folder(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"report: --out {out} is a file, not a folder; give a folder (made if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"report: cannot create {out}: {exc.strerror}; choose another folder with --out") from None
 
 
 def write_report(folders: list[str | Path], out: str | Path | None = None, *, size: tuple[int, int] = DEFAULT_SIZE,
@@ -446,7 +550,7 @@ def write_report(folders: list[str | Path], out: str | Path | None = None, *, si
     if status is not None:
         runs[0].record["status"] = status
     out = Path(out) if out is not None else runs[0].folder
-    out.mkdir(parents=True, exist_ok=True)
+    _make_folder(out)
     dirs = " ".join(str(run.folder) for run in runs)
     if len(runs) == 1:
         run = runs[0]
@@ -507,7 +611,10 @@ def _comparison(doc: Document, runs: list[RunFiles]) -> None:
 
 def parse_size(text: str) -> tuple[int, int]:
     """``"800x450"`` -> (800, 450); a ConfigError naming ``--size`` otherwise."""
-    width, _, height = text.lower().partition("x")
-    if not (width.isdigit() and height.isdigit() and int(width) >= 100 and int(height) >= 100):
-        raise ConfigError(f"--size: expected WIDTHxHEIGHT in pixels, each at least 100 (e.g. 800x450), got {text!r}")
-    return int(width), int(height)
+    low, high = SIZE_RANGE
+    sides = re.fullmatch(r"(\d{1,9})x(\d{1,9})", text.lower(), re.ASCII)
+    if sides is None or not all(low <= int(side) <= high for side in sides.groups()):
+        shown = text if len(text) <= 40 else text[:37] + "..."
+        raise ConfigError(f"--size: expected WIDTHxHEIGHT in pixels, each from {low} to {high} (e.g. 800x450), "
+                          f"got {shown!r}")
+    return int(sides[1]), int(sides[2])

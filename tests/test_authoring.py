@@ -218,3 +218,36 @@ def test_a_scaffolded_plugin_passes_its_own_test_and_runs_composed(scaffolded, k
     if kind == "callback":
         assert run.state.global_step == 1  # stopped at the first evaluation
         assert f"stopped at step 1 of 2: {name}: eval_loss" in caplog.text
+
+
+# (a name, what the error line says)
+REFUSED_NAMES = [
+    ("train", "a plugin's options are its section [train] of a run file, but [train] is the run file's own section; "
+              "pick another name (e.g. 'my_train')"),
+    ("data", "[data] is the run file's own section"),
+    ("plugins", "plugins is a key of the run file itself"),
+    ("required_plugins", "required_plugins is a key of the run file itself"),
+    ("report", "report is a builtin plugin (engine.builtin.report)"),
+    ("samples", "samples is a builtin plugin (engine.builtin.samples)"),
+    ("engine", "engine is the engine's own name"),
+    ("lion", "a plugin named 'lion' is installed already (engine-lion); pick another name"),
+    ("a" * 300, "the name has 300 characters, more than 40; give a short one"),
+    ("gradnoise_", "'gradnoise_' is not a plugin name"),  # engine-gradnoise- is no distribution name
+    ("grad__noise", "'grad__noise' is not a plugin name"),
+]
+
+
+@pytest.mark.parametrize("name, fragment", REFUSED_NAMES, ids=[name[:20] for name, _ in REFUSED_NAMES])
+def test_a_plugin_name_that_would_collide_or_break_is_one_line(tmp_path, capfd, name, fragment):
+    status = main(["plugins", "new", name, "--dir", str(tmp_path)])
+    err = capfd.readouterr().err.splitlines()
+    assert status == 2 and len(err) == 1 and err[0].startswith("engine: error: engine plugins new: "), err
+    assert fragment in err[0], err[0]
+    assert not list(tmp_path.iterdir())  # nothing scaffolded
+
+
+def test_a_dir_the_os_refuses_is_one_line(tmp_path, capfd):
+    parent = tmp_path / ("d" * 300)  # a name longer than the filesystem allows
+    assert main(["plugins", "new", "gradnoise", "--dir", str(parent)]) == 2
+    err = capfd.readouterr().err.splitlines()
+    assert err == [f"engine: error: engine plugins new: cannot write {parent / 'engine-gradnoise'}: File name too long"]

@@ -5,12 +5,15 @@ import base64
 import json
 import os
 import re
+import shutil
 import sys
+from pathlib import Path
 
 import pytest
 from PIL import Image, ImageStat
 
 from engine import cli
+from engine.config import to_toml
 from engine.report import RunFiles, figures, write_report
 from engine.testing import run_steps, tiny_dataset, tiny_model, tiny_tokenizer
 
@@ -150,3 +153,111 @@ def test_the_report_says_why_a_run_stopped_early_or_diverged(tmp_path):
     assert "- status: failed" in diverged and "The run diverged (a nan or inf loss or gradient norm)" in diverged
     assert cli.main(["report", str(tmp_path / "diverged"), "--no-plots"]) == 0  # run.json now says diverged
     assert "- status: diverged" in (tmp_path / "diverged" / "report.md").read_text()
+
+
+# ---------------------------------------------------------------------------- malformed input: one line each
+
+
+def _report(capfd, *argv):
+    """``engine report ARGV`` in-process: (exit status, the lines on stderr)."""
+    capfd.readouterr()
+    status = cli.main(["report", *map(str, argv)])
+    return status, [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+
+
+def _append(path, text):
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(text)
+
+
+# (case, how the copy of a run's folder is damaged, the file and what the line says)
+DAMAGED = [
+    ("a row that is not an object", lambda d: _append(d / "metrics.jsonl", "[1, 2]\n"),
+     "metrics.jsonl line {next} holds a JSON list, expected an object"),
+    ("a binary metrics.jsonl", lambda d: (d / "metrics.jsonl").write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff"),
+     "metrics.jsonl is not UTF-8 text (byte 0x89 on line 1); a damaged file?"),
+    ("a string step", lambda d: _append(d / "metrics.jsonl", '{"step": "3", "loss": 1.0}\n'),
+     'metrics.jsonl line {next}: step is string "3", expected integer'),
+    ("a row without a step", lambda d: _append(d / "metrics.jsonl", '{"loss": 1.0}\n'),
+     "metrics.jsonl line {next}: step is missing, expected integer"),
+    ("a broken line before the last", lambda d: _append(d / "metrics.jsonl", '{"step": 3, "lo\n{"step": 4}\n'),
+     "metrics.jsonl line {next} is not JSON: Unterminated string"),
+    ("hyperparams.json holding a list", lambda d: (d / "hyperparams.json").write_text("[1, 2]"),
+     "hyperparams.json holds a JSON list, expected an object"),
+    ("a max_steps that is a string", lambda d: (d / "hyperparams.json").write_text('{"train": {"max_steps": "6"}}'),
+     'hyperparams.json: train.max_steps is string "6", expected integer'),
+    ("plugins that are not names", lambda d: (d / "hyperparams.json").write_text('{"plugins": [1]}'),
+     "hyperparams.json: plugins is list [1], expected list of string"),
+    ("run.json not JSON", lambda d: (d / "run.json").write_text("{oops"), "run.json is not valid JSON: "),
+    ("run.json not UTF-8", lambda d: (d / "run.json").write_bytes(b'{"status": "\xff"}'),
+     "run.json is not UTF-8 text (byte 0xff on line 1)"),
+    ("a sample whose prompt is a number", lambda d: _append(d / "samples.jsonl",
+                                                            '{"step": 6, "prompt": 5, "completion": "x"}\n'),
+     "samples.jsonl line {next_sample}: prompt is integer 5, expected string or list of object"),
+]
+
+
+@pytest.mark.parametrize("name, damage, fragment", DAMAGED, ids=[c[0] for c in DAMAGED])
+def test_a_damaged_file_is_one_line_naming_the_file_and_line(run_dir, tmp_path, capfd, name, damage, fragment):
+    folder = tmp_path / "run"
+    shutil.copytree(run_dir, folder)
+    for report in folder.glob("report*"):
+        report.unlink()
+    lines = {"next": len(_records(run_dir)) + 1,
+             "next_sample": len((run_dir / "samples.jsonl").read_text().splitlines()) + 1}
+    damage(folder)
+    status, err = _report(capfd, folder, "--no-plots")
+    assert status == 2 and len(err) == 1, err
+    file_name = fragment.split()[0].rstrip(":")
+    assert err[0].startswith(f"engine: error: report: {folder / file_name}"), err[0]
+    assert fragment.format(**lines) in err[0], err[0]
+    assert not list(folder.glob("report*"))
+
+
+def test_a_last_line_cut_short_by_a_kill_is_left_out(run_dir, tmp_path, capfd):
+    folder = tmp_path / "run"
+    shutil.copytree(run_dir, folder)
+    _append(folder / "metrics.jsonl", '{"step": 7, "lo')  # no newline: the write a kill interrupted
+    status, err = _report(capfd, folder, "--no-plots")
+    assert status == 0, err
+    assert RunFiles.read(folder).last_step == 6
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--size", "100000x100000"], "--size: expected WIDTHxHEIGHT in pixels, each from 100 to 4000 (e.g. 800x450), got "
+                                  "'100000x100000'"),
+    (["--size", "1" + "0" * 5000 + "x100"], "--size: expected WIDTHxHEIGHT in pixels, each from 100 to 4000 "
+                                            "(e.g. 800x450), got '1000000000000000000000000000000000000...'"),
+    (["--out", "afile"], "report: --out afile is a file, not a folder; give a folder (made if missing)"),
+    (["--out", "/sys/engine-report"], "report: cannot create /sys/engine-report: "),
+])
+def test_a_bad_size_or_out_is_one_line(run_dir, tmp_path, capfd, monkeypatch, argv, fragment):
+    if argv[1].startswith("/sys") and not Path("/sys").is_dir():
+        pytest.skip("no /sys here to be refused by")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("mine")
+    status, err = _report(capfd, run_dir, "--no-plots", *argv)
+    assert status == 2 and len(err) == 1 and err[0].startswith(f"engine: error: {fragment}"), err
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
+def test_a_run_refused_before_its_first_step_prints_only_its_error(tmp_path, capfd, monkeypatch):
+    """The evaluation at the start fails: log_finish runs (trackers close their runs), but the report
+    has nothing to say and says nothing; the error is the only line."""
+    monkeypatch.setenv("ENGINE_REPORT", "text")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "corpus.txt").write_text("\n".join(f"line {i} of a small corpus" for i in range(200)))
+    (tmp_path / "metrics_code.py").write_text("def broken(prediction):\n    return prediction.nothing\n")
+    (tmp_path / "run.toml").write_text(to_toml({
+        "train": {"max_steps": 2, "disable_tqdm": True, "save_strategy": "no", "output_dir": "out",
+                  "model_config": {"hidden_size": 32, "intermediate_size": 64}, "eval_on_start": True,
+                  "compute_metrics": "metrics_code:broken"},
+        "data": {"train": "corpus.txt", "eval_split": 0.1, "max_length": 16, "tokenizer": "train",
+                 "tokenizer_vocab_size": 300}}))
+    capfd.readouterr()
+    assert cli.main(["train", "run.toml"]) == 2
+    err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert err == ["engine: error: train.compute_metrics: metrics_code:broken raised AttributeError: "
+                   "'EvalPrediction' object has no attribute 'nothing'"], err
+    assert not list((tmp_path / "out").glob("report*"))

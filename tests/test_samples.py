@@ -4,6 +4,7 @@ resumed run ends with the weights and samples of an uninterrupted one)."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from engine import Run, hookimpl
+from engine.cli import main
+from engine.config import to_toml
 from engine.errors import ConfigError
 from engine.testing import run_steps, same_weights, tiny_dataset, tiny_model, tiny_tokenizer
 
@@ -162,3 +165,98 @@ def test_samples_of_an_adapter_model_come_from_the_adapted_model(tmp_path):
     assert completions == greedy()
     with run.model.disable_adapter():
         assert greedy() != completions
+
+
+# ---------------------------------------------------------------------------- refused before training
+
+
+CORPUS = "\n".join(f"line {i} of a corpus the samples are drawn from" for i in range(200))
+CHAT_TEMPLATES = {"raising_template": "{{ raise_exception('this template takes no user turns') }}",
+                  "empty_template": "{% if false %}x{% endif %}"}
+
+
+@pytest.fixture
+def engine_cli(tmp_path, capfd, monkeypatch):
+    """``engine_cli(*argv, **samples)`` runs ``engine`` in-process in ``tmp_path`` on a tiny run with
+    the samples plugin (``samples`` its section): (exit status, the lines on stderr)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus.txt").write_text(CORPUS)
+
+    def run(*argv, tokenizer="train", **samples):
+        (tmp_path / "run.toml").write_text(to_toml({
+            "plugins": ["samples"],
+            "train": {"max_steps": 2, "disable_tqdm": True, "save_strategy": "no", "output_dir": "out",
+                      "model_config": {"hidden_size": 32, "intermediate_size": 64}},
+            "data": {"train": "corpus.txt", "max_length": 16, "tokenizer": tokenizer, "tokenizer_vocab_size": 300},
+            "samples": {"every": "end", "max_new_tokens": 4, **samples}}))
+        capfd.readouterr()
+        status = main([argv[0], "run.toml", *argv[1:]])
+        return status, [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+
+    return run
+
+
+LONG_PROMPT = "line 7 of a corpus " * 200  # ~1000 tokens: more than tiny-llama's 512 positions
+# (case, [samples] options, files to write (or the chat template of the tokenizer), the start of the error
+# line (a pattern: all of it), and where it is refused: "plan" (at configure, so `engine plan` too) or "train")
+REFUSED = [
+    ("generation beyond the positions", {"prompts": ["line"], "max_new_tokens": 100000}, {},
+     "samples.max_new_tokens = 100000: a prompt and its completion need 100001 positions at least, but the model "
+     "(tiny-llama) has 512 (max_position_embeddings); lower samples.max_new_tokens", "plan"),
+    ("temperature 0 when sampling", {"prompts": ["line"], "do_sample": True, "temperature": 0.0}, {},
+     "samples.temperature = 0 with samples.do_sample = true: sampling divides by the temperature; set "
+     "samples.do_sample = false for greedy decoding, or samples.temperature > 0", "plan"),
+    ("a temperature greedy decoding ignores", {"prompts": ["line"], "temperature": 0.7}, {},
+     "samples.temperature = 0.7 applies only when sampling, and samples.do_sample = false (greedy decoding): set "
+     "samples.do_sample = true, or leave samples.temperature out", "plan"),
+    ("a top_p greedy decoding ignores", {"prompts": ["line"], "top_p": 0.9}, {},
+     "samples.top_p = 0.9 applies only when sampling", "plan"),
+    ("a prompt file that is not UTF-8", {"prompts": "prompts.txt"}, {"prompts.txt": b"line 1\n\xff\xfe line\n"},
+     "samples.prompts: prompts.txt is not UTF-8 text (byte 0xff on line 2); save it as UTF-8", "plan"),
+    ("a prompt file line that is not JSON", {"prompts": "prompts.txt"}, {"prompts.txt": b'line 1\n\n{"prompt": \n'},
+     "samples.prompts (prompts.txt line 3): not valid JSON: ", "plan"),
+    ("a chat turn without content", {"prompts": [{"messages": [{"role": "user"}]}]}, {},
+     "samples.prompts[0]: a chat prompt is {messages = [{role = ..., content = ...}, ...]} with string roles and "
+     "contents, got {'messages': [{'role': 'user'}]}", "plan"),
+    ("a prompt longer than the positions", {"prompts": "prompts.txt"},
+     {"prompts.txt": f"line 1\n\n{LONG_PROMPT}\n".encode()},
+     re.compile(r"samples.prompts \(prompts.txt line 3\): \d{3,} tokens and samples.max_new_tokens = 4 need \d{3,} "
+                r"positions, but the model has 512 \(max_position_embeddings\); shorten the prompt or lower "
+                r"samples.max_new_tokens"), "train"),
+    ("a chat template that raises", {"prompts": ["line", {"messages": [{"role": "user", "content": "hi"}]}]},
+     {"tokenizer": "raising_template"}, "samples.prompts[1]: the tokenizer cannot encode it: TemplateError: this "
+                                        "template takes no user turns", "train"),
+    ("a prompt of no token", {"prompts": [{"messages": [{"role": "user", "content": "hi"}]}]},
+     {"tokenizer": "empty_template"}, "samples.prompts[0]: {'messages': [{'role': 'user', 'content': 'hi'}]} "
+                                      "encodes to no token; give a prompt with text", "train"),
+]
+
+
+@pytest.mark.parametrize("name, samples, files, message, where", REFUSED, ids=[c[0] for c in REFUSED])
+def test_what_generating_needs_is_refused_before_anything_is_written(engine_cli, tmp_path, name, samples, files,
+                                                                     message, where):
+    """Each used to fail (or generate for minutes) only after training and the final save."""
+    files = dict(files)
+    tokenizer = files.pop("tokenizer", "train")
+    if tokenizer != "train":
+        from engine.data import train_tokenizer
+
+        built = train_tokenizer(CORPUS.splitlines(), 300)
+        built.chat_template = CHAT_TEMPLATES[tokenizer]
+        built.save_pretrained(tmp_path / tokenizer)
+    for file_name, content in files.items():
+        (tmp_path / file_name).write_bytes(content)
+    commands = ["plan", "train"] if where == "plan" else ["train"]
+    for command in commands:
+        status, err = engine_cli(command, tokenizer=tokenizer, **samples)
+        assert status == 2 and len(err) == 1, err
+        line = err[0].removeprefix("engine: error: ")
+        assert message.fullmatch(line) if isinstance(message, re.Pattern) else line.startswith(message), err[0]
+        assert not (tmp_path / "out").exists()  # refused before the run wrote anything
+
+
+def test_a_prompt_and_completion_that_just_fit_generate(engine_cli, tmp_path):
+    status, err = engine_cli("train", prompts=["line"], max_new_tokens=511)
+    assert status == 0, err
+    (row,) = _rows(tmp_path / "out")
+    assert row["prompt"] == "line" and row["completion"]
