@@ -50,6 +50,8 @@ KNOWN_NOISE = {
     "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward from kernels-community",),
     # DeepSpeed (which transformers imports when it is installed) on a machine without a GPU
     "DeepSpeed": ("Setting accelerator to CPU",),
+    # datasets on a JSON file it cannot parse, before it raises: the engine's error names the line
+    "datasets.packaged_modules.json.json": ("Failed to load JSON from file ", "Failed to convert pandas DataFrame"),
 }
 
 

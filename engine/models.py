@@ -165,16 +165,48 @@ def max_positions(config: Any) -> tuple[int, str] | None:
     return None
 
 
-def check_positions(config: Any, max_length: int, where: str) -> None:
-    """Refuse examples longer than the model's positions (GPT-2 would fail mid-training, Llama extrapolate)."""
+def check_positions(config: Any, max_length: int | None, where: str) -> None:
+    """Refuse examples longer than the model's positions (GPT-2 would fail mid-training, Llama extrapolate).
+    ``max_length`` is data.max_length where the engine tokenizes the rows; None for rows of token ids,
+    whose own lengths are checked once they load (engine.data.check_token_rows)."""
     found = max_positions(config)
-    if found is not None and max_length > found[0]:
+    if found is not None and max_length is not None and max_length > found[0]:
         positions, name = found
         raise ConfigError(f"data.max_length: {max_length} tokens per example, but {where} has {positions} positions "
                           f"({name}); lower data.max_length, or raise train.model_config.{name}")
 
 
-def check_model(train: TrainConfig, max_length: int, task: str = "causal-lm") -> None:
+def input_limits(model_or_config: Any) -> Any:
+    """What rows of token ids must fit in a model, or the model a config builds (engine.data.ModelLimits):
+    ids below its input embedding's rows (the config's vocab_size), lengths within its positions."""
+    from .data import ModelLimits
+
+    config = getattr(model_or_config, "config", model_or_config)
+    vocab_size = getattr(config, "vocab_size", None)
+    if isinstance(model_or_config, torch.nn.Module):
+        try:
+            vocab_size = model_or_config.get_input_embeddings().num_embeddings
+        except (AttributeError, NotImplementedError):
+            pass
+    return ModelLimits(vocab_size if isinstance(vocab_size, int) else None, max_positions(config))
+
+
+def fill_pad_token_id(model: torch.nn.Module, tokenizer: Any, task: str) -> None:
+    """A sequence classifier scores each row at its last token before the padding, which it finds by
+    config.pad_token_id (transformers refuses batches of 2 or more without one): set from the
+    tokenizer when the config has none, as Trainer users do; refused when neither has one."""
+    config = getattr(model, "config", None)
+    if task != "sequence-classification" or config is None or getattr(config, "pad_token_id", 0) is not None:
+        return
+    pad_id = getattr(tokenizer, "pad_token_id", None)
+    if pad_id is None:
+        raise ConfigError("the model's config has no pad_token_id, which sequence classification needs to find each "
+                          "row's last token, and the tokenizer has no pad token to take it from; set the tokenizer's "
+                          "pad token (e.g. tokenizer.pad_token = tokenizer.eos_token) or config.pad_token_id")
+    config.pad_token_id = pad_id
+
+
+def check_model(train: TrainConfig, max_length: int | None, task: str = "causal-lm") -> None:
     """Before the tokenizer, data or weights load: the model's config, built on the meta device.
 
     A config-built model runs one forward pass there (shapes only, no memory, ~0.1 s), which
@@ -190,7 +222,9 @@ def check_model(train: TrainConfig, max_length: int, task: str = "causal-lm") ->
     check_positions(config, max_length, f"the model ({train.model})")
     if Path(train.model).is_dir():
         return  # a saved model's config was valid when it was trained
-    length = min(max_length, 16)
+    length = min(max_length or 16, 16)
+    if task == SEQUENCE_CLASSIFICATION and getattr(config, "pad_token_id", None) is None:
+        config.pad_token_id = 0  # the run's comes from the tokenizer (fill_pad_token_id); a batch of 2 needs one
     try:
         with torch.device("meta"):
             model = _instantiate(config, train.task)

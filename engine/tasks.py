@@ -20,6 +20,7 @@ says the task (``BertForSequenceClassification`` -> sequence-classification); el
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -214,6 +215,9 @@ def collator(task: str, tokenizer: Any, model: torch.nn.Module | None) -> Callab
     """transformers' padding collator for ``task`` (None: the engine's default collator)."""
     if task == CAUSAL_LM or tokenizer is None:
         return None
+    if tokenizer.pad_token is None:
+        raise ConfigError(f"the tokenizer has no pad token, which {task} batches are padded with; set one "
+                          "(tokenizer.pad_token = tokenizer.eos_token), or pass data_collator=")
     import transformers
 
     if task == SEQUENCE_CLASSIFICATION:
@@ -235,6 +239,38 @@ class Generation(NamedTuple):
 
     config: Any  # transformers.GenerationConfig
     kwargs: dict[str, int]  # max_length, num_beams (Seq2SeqTrainer's gen_kwargs)
+
+
+# GenerationConfig values by type (its defaults are all None, so they do not tell): minimum, or None
+_GENERATION_INTS = {"max_length": 1, "max_new_tokens": 1, "min_length": 0, "min_new_tokens": 0, "num_beams": 1,
+                    "num_beam_groups": 1, "num_return_sequences": 1, "top_k": 0, "no_repeat_ngram_size": 0}
+_GENERATION_FLOATS = {"temperature": 0.0, "top_p": 0.0, "min_p": 0.0, "typical_p": 0.0, "repetition_penalty": 0.0,
+                      "length_penalty": None, "diversity_penalty": 0.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
+                      "max_time": 0.0}
+_GENERATION_BOOLS = ("do_sample", "use_cache", "renormalize_logits", "remove_invalid_values")
+
+
+def check_generation_values(values: dict[str, Any], key: str) -> None:
+    """The common generate() settings in ``values`` have their type and range (``key``: where they were set),
+    so a wrong one is refused before training rather than when generation first runs."""
+    for name, value in values.items():
+        if name in _GENERATION_INTS:
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= _GENERATION_INTS[name]
+            expected = f"an int >= {_GENERATION_INTS[name]}"
+        elif name in _GENERATION_FLOATS:
+            low = _GENERATION_FLOATS[name]
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and \
+                (low is None or value >= low)
+            expected = "a finite number" + (f" >= {low:g}" if low is not None else "")
+        elif name in _GENERATION_BOOLS:
+            ok, expected = isinstance(value, bool), "true or false"
+        else:
+            continue
+        if not ok:
+            raise ConfigError(f"{key}.{name}: expected {expected}, got {type(value).__name__} {value!r}")
+    if values.get("do_sample") and values.get("temperature") is not None and values["temperature"] <= 0:
+        raise ConfigError(f"{key}: temperature = {values['temperature']} with do_sample = true cannot sample; "
+                          "set do_sample = false for greedy decoding, or a temperature > 0")
 
 
 def generation(train: TrainConfig, model: torch.nn.Module) -> Generation:
@@ -259,7 +295,15 @@ def generation(train: TrainConfig, model: torch.nn.Module) -> Generation:
             unknown = sorted(name for name in spec if name not in known)
             if unknown:
                 raise ConfigError(f"train.generation_config: GenerationConfig has no key {unknown[0]!r}")
-            config.update(**spec)
+            check_generation_values(spec, "train.generation_config")
+            try:
+                config.update(**spec)
+                config.validate(strict=True)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"train.generation_config: GenerationConfig refuses {spec}: "
+                                  f"{str(exc).strip().splitlines()[0]}") from None
+    # what the model's own generation config adds to the table counts too (its do_sample, say)
+    check_generation_values({k: v for k, v in config.to_dict().items() if v is not None}, "train.generation_config")
     kwargs = {"max_length": train.generation_max_length, "num_beams": train.generation_num_beams}
     return Generation(config, {key: value for key, value in kwargs.items() if value is not None})
 

@@ -14,11 +14,14 @@ import torch
 from engine.config import DataConfig
 from engine.data import (
     DataCollator,
+    ModelLimits,
     build_datasets,
     build_tokenizer,
+    check_token_rows,
     embedded_corpus,
     load_source,
     load_tokenizer,
+    token_row_problem,
     train_tokenizer,
 )
 from engine.errors import ConfigError
@@ -121,7 +124,16 @@ def test_load_source_files_globs_folders_and_saved_datasets(tmp_path, data):
     ("missing.jsonl", None, ["data.train: file not found: ", "missing.jsonl"]),
     ("nothing-*.jsonl", None, ["data.train: ", "nothing-*.jsonl matches no file"]),
     ("a.xml", "<x/>", ["data.train: unsupported file type '.xml'", ".jsonl"]),
-    ("a.jsonl", '{"text": "x"}\n{"text": "y",}\n', ["data.train: cannot read", "as json"]),
+    ("a.jsonl", '{"text": "x"}\n\n{"text": "y",}\n',
+     ["data.train: ", "a.jsonl line 3 is not valid JSON (Expecting property name enclosed in double quotes at column 14)"]),
+    ("a.jsonl", '{"text": "x"}\n[1, 2]\n', ["a.jsonl line 2 is a JSON list, expected an object (one row per line)"]),
+    ("a.json", '[{"text": "x"}, {"text": ', ["data.train: cannot read ", "a.json as json: ValueError: "]),
+    # empty files, in the engine's words (datasets says StopIteration or SchemaInferenceError)
+    ("a.jsonl", "", ["data.train: ", "a.jsonl is empty (0 bytes); give it rows, or name another file"]),
+    ("a.txt", "\n  \n\n", ["data.train: ", "a.txt is empty (only blank lines); give it rows, or name another file"]),
+    ("a.parquet", "", ["data.train: ", "a.parquet is empty (0 bytes)"]),
+    ("a.csv", "text,label\n", ["data.train: ", "a.csv holds no rows; give it rows, or name another file"]),
+    ("a.json", "[]", ["data.train: ", "a.json holds no rows"]),
 ])
 def test_load_source_errors(tmp_path, data, name, content, expected):
     if content is not None:
@@ -384,3 +396,37 @@ def test_callable_sources(tmp_path, monkeypatch, data, tokenizer):
         build_datasets(data(train="my_data:nope"), tokenizer, seed=0)
     with pytest.raises(ConfigError, match="data.eval_split: .*callable 'my_data:make'; set data.eval"):
         build_datasets(data(train="my_data:make", eval_split=0.1), tokenizer, seed=0)
+
+
+TOKEN_ROW_PROBLEMS = [  # (row, task, why it cannot be trained on)
+    ({"input_ids": []}, "causal-lm", "'input_ids' is empty"),
+    ({"input_ids": [1, 2], "attention_mask": [1]}, "causal-lm",
+     "'attention_mask' does not hold one value per token of 'input_ids' (2)"),
+    ({"input_ids": [1, 2], "labels": [1, -5]}, "causal-lm", "'labels' holds -5; a label is a token id, or -100 for no loss"),
+    ({"input_ids": [1, 2], "labels": [1.5, 2.0]}, "causal-lm",
+     "'labels' holds a float (1.5) among its values, expected a list of token ids (ints, -100 for no loss)"),
+    ({"input_ids": [1, 2], "label": 1}, "causal-lm",
+     "'label' holds one value per row, but a causal LM learns a label per token; give a list of them, or set "
+     "train.task = \"sequence-classification\" to learn one per row"),
+    ({"input_ids": [1, 2], "labels": [0, 1, 0]}, "token-classification",
+     "'labels' holds 3 values, 'input_ids' 2: give one label per token (-100 for no loss)"),
+    ({"input_ids": [1, 2], "labels": None}, "sequence-classification",
+     "'labels' holds nothing (null, or the row lacks it), expected a class id (or a float for regression)"),
+    ({"input_ids": [1, 2], "labels": [1, 9]}, "seq2seq",
+     "'labels' holds the id 9, but the model's embedding has 8 rows (ids 0 to 7); give ids of the model's tokenizer"),
+    ({"input_ids": [1] * 9}, "causal-lm", "9 tokens, but the model has 8 positions (n_positions); shorten the row"),
+]
+
+
+@pytest.mark.parametrize("row, task, problem", TOKEN_ROW_PROBLEMS, ids=[p for _, _, p in TOKEN_ROW_PROBLEMS])
+def test_rows_of_token_ids_that_would_fail_inside_the_step_are_refused(row, task, problem):
+    """Each found over the Arrow columns at once and then named by its row (siblings of issue 28's cases)."""
+    import datasets
+
+    limits = ModelLimits(vocab_size=8, positions=(8, "n_positions"))
+    assert token_row_problem(row, task, limits).startswith(problem)
+    with pytest.raises(ConfigError) as refused:
+        check_token_rows(datasets.Dataset.from_list([row]), task, "train_dataset", limits)
+    assert str(refused.value).startswith(f"train_dataset: row 0 (counted from 0): {problem}")
+    fine = {"input_ids": [3, 4], "labels": 1 if task == "sequence-classification" else [-100, 2]}
+    assert token_row_problem(fine, task, limits) is None

@@ -15,6 +15,7 @@ from engine.data import (
     FlatteningCollator,
     build_datasets,
     enable_document_packing,
+    prepare,
     render_chat,
     train_tokenizer,
 )
@@ -102,21 +103,118 @@ def test_chat_rows_pack_with_their_labels(tmp_path, tokenizer):
     packed = build_datasets(config(tmp_path, train=source, max_length=16), tokenizer, 0).train
     flat_ids = [t for row in unpacked["input_ids"] for t in row]
     flat_labels = [t for row in unpacked["labels"] for t in row]
-    n = 16 * len(packed)
-    assert [t for row in packed["input_ids"] for t in row] == flat_ids[:n]
-    assert [t for row in packed["labels"] for t in row] == flat_labels[:n]
+    cuts = [(flat_ids[i:i + 16], flat_labels[i:i + 16]) for i in range(0, len(flat_ids) - 15, 16)]
+    # a row cut from the middle of a prompt has nothing to learn (its first label predicts nothing): left out
+    kept = [cut for cut in cuts if any(label != IGNORE_INDEX for label in cut[1][1:])]
+    assert 0 < len(kept) < len(cuts)
+    assert list(zip(packed["input_ids"], packed["labels"])) == kept
+
+
+USER, ANSWER = {"role": "user", "content": "hello fox"}, {"role": "assistant", "content": "the cat"}
+BAD_CHATS = [  # (messages of the bad row, the message naming it)
+    ([USER], "no assistant message, so nothing to learn; roles: user"),
+    ([USER, {"role": "assistant", "content": None}],
+     "message 1 (assistant) has no content (null or missing); give it a string, or leave the turn out"),
+    # Arrow cannot read a column of strings with a number in it: the line is found for it
+    ([{"role": 3, "content": "hi"}, ANSWER],
+     "'messages/[]/role' holds a number where the rows before hold a string; give it a string (or the rows before "
+     "a number)"),
+    ([USER, {"role": "assistant", "content": "boom"}],
+     "the chat template raised TemplateError: no boom; fix the row, or the template (data.tokenizer's "
+     "tokenizer_config.json)"),
+]
+
+
+@pytest.mark.parametrize("messages, message", BAD_CHATS, ids=[m for _, m in BAD_CHATS])
+def test_a_bad_chat_row_is_refused_naming_its_line(tmp_path, tokenizer, messages, message):
+    tok = tokenizer.__class__.from_pretrained(save_tokenizer(tokenizer, tmp_path / "tok"))
+    tok.chat_template = "{% if messages[-1]['content'] == 'boom' %}{{ raise_exception('no boom') }}{% endif %}" + TEMPLATE
+    # the bad row is line 7 of the file, the 5th row: blank lines are no rows, and the held-out
+    # eval rows are not counted out of the train rows' numbers
+    lines = [json.dumps({"messages": CHATS[i % 2]}) for i in range(4)] + ["", ""] + \
+        [json.dumps({"messages": messages})] + [json.dumps({"messages": CHATS[0]})] * 5
+    source = tmp_path / "chat.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    for eval_split in (0.0, 0.4):
+        with pytest.raises(ConfigError) as refused:
+            build_datasets(config(tmp_path, train=str(source), eval_split=eval_split), tok, 0)
+        assert str(refused.value) == f"data.train: {source} line 7: {message}"
+
+
+def save_tokenizer(tok, folder):
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_chat_turns_as_trl_renders_them(tmp_path, tokenizer):
+    """Arrow gives every turn every key some turn has (null where it lacks it): the template sees
+    only the keys a turn has, as TRL's SFTTrainer drops the nulls, so no "None" is rendered; an
+    assistant turn with tool_calls needs no content."""
+    import datasets
+
+    tok = tokenizer.__class__.from_pretrained(save_tokenizer(tokenizer, tmp_path / "tok"))
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}{% if m.name is defined %} ({{ m.name }}){% endif %}: "
+                         "{% if m.tool_calls is defined %}calls {{ m.tool_calls[0].name }}{% endif %}"
+                         "{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    chat = [{"role": "user", "content": "owl?", "name": "fox"},
+            {"role": "assistant", "content": None, "tool_calls": [{"name": "search"}]},
+            {"role": "assistant", "content": "jumps"}]
+    rows = datasets.Dataset.from_list([{"messages": chat}])
+    assert rows[0]["messages"][2] == {"role": "assistant", "content": "jumps", "name": None, "tool_calls": None}
+    train = prepare(rows, config(tmp_path, packing=False), tok, "train_dataset")
+    assert tok.decode(train[0]["input_ids"]) == "user (fox): owl?\nassistant: calls search\nassistant: jumps\n"
 
 
 def test_chat_errors(tmp_path, tokenizer):
-    no_assistant = write_jsonl(tmp_path / "a.jsonl", [{"messages": CHATS[0]}, {"messages": CHATS[0][:1]}])
-    with pytest.raises(ConfigError, match=r"data.train row 1: no assistant message, so nothing to learn; roles: user"):
-        build_datasets(config(tmp_path, train=no_assistant), tokenizer, 0)
     plain = train_tokenizer(WORDS * 3, 280)
     good = write_jsonl(tmp_path / "b.jsonl", [{"messages": CHATS[0]}])
     with pytest.raises(ConfigError, match="data.train: chat data .* needs a tokenizer with a chat template"):
         build_datasets(config(tmp_path, train=good), plain, 0)
-    with pytest.raises(ConfigError, match="no assistant message"):
-        render_chat(tokenizer, [], "row 0")
+    with pytest.raises(ConfigError, match=r"eval_dataset: row 4 \(counted from 0\): no assistant message"):
+        render_chat(tokenizer, [], "eval_dataset", 4)
+    with pytest.raises(ConfigError, match=r"message 0 has an int \(3\) as its role, expected a string such as 'user'"):
+        render_chat(tokenizer, [{"role": 3, "content": "hi"}, ANSWER])
+    with pytest.raises(ConfigError, match=r"message 1 \(assistant\) has an int as its content, expected a string"):
+        render_chat(tokenizer, [USER, {"role": "assistant", "content": 5}])
+    with pytest.raises(ConfigError, match="'messages' must be a list of"):
+        render_chat(tokenizer, "hello")
+
+
+def test_examples_left_with_nothing_to_learn_are_dropped_and_counted(tmp_path, tokenizer, caplog):
+    """Truncation that cuts an example's whole answer away leaves it no label: it is dropped and counted
+    (a batch of such examples had a nan loss, stopping the run as "diverged")."""
+    rows = [{"prompt": "hello fox", "completion": " the cat"}] * 3 + [{"prompt": "hello " * 20, "completion": " owl"}] * 2
+    source = write_jsonl(tmp_path / "pc.jsonl", rows)
+    with caplog.at_level("INFO", logger="engine"):
+        train = build_datasets(config(tmp_path, train=source, packing=False, max_length=8), tokenizer, 0).train
+    assert len(train) == 3 and all(any(label != IGNORE_INDEX for label in labels[1:]) for labels in train["labels"])
+    assert "data.train: dropped 2 of 5 examples with no token to learn (a label other than -100 after the first): " \
+           "data.max_length = 8 cuts the answers away; raise it, or set data.truncation = \"drop\"" in caplog.text
+
+
+def test_rows_of_token_ids_are_checked_against_the_model_not_data_max_length(tmp_path, tokenizer):
+    """data.max_length (128 by default) shapes the rows the engine tokenizes; rows given as token ids
+    are checked by their own lengths and ids against the model."""
+    import datasets
+
+    def run(rows, **model):
+        return engine.Run({"train": {"max_steps": 2, "per_device_train_batch_size": 2, "save_strategy": "no",
+                                     "disable_tqdm": True, "output_dir": str(tmp_path / "out"),
+                                     "save_final_model": False},
+                           "data": {"cache_dir": str(tmp_path / "cache")}},
+                          model=tiny_model(vocab_size=len(tokenizer), **model), tokenizer=tokenizer,
+                          train_dataset=datasets.Dataset.from_dict({"input_ids": rows}))
+
+    fits = [list(range(1, 41))] * 8
+    run(fits, max_position_embeddings=64).train()  # refused before: 128 tokens per example, 64 positions
+    bad = [(fits[:5] + [list(range(1, 70))] + fits, r"train_dataset: row 5 \(counted from 0\): 69 tokens, but the model "
+                                                   r"has 64 positions \(max_position_embeddings\); shorten the row"),
+           (fits[:2] + [[1, 2, len(tokenizer)]] + fits, r"train_dataset: row 2 \(counted from 0\): 'input_ids' holds the "
+                                                        rf"id {len(tokenizer)}, but the model's embedding has "
+                                                        rf"{len(tokenizer)} rows")]
+    for rows, message in bad:
+        with pytest.raises(ConfigError, match=message):
+            run(rows, max_position_embeddings=64).setup()
 
 
 # ---------------------------------------------------------------------------- document packing

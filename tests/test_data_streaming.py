@@ -101,3 +101,27 @@ def test_tokenizer_trained_on_the_stream_start(tmp_path, corpus, monkeypatch):
 def test_streaming_needs_workers_in_process(tmp_path, corpus):
     with pytest.raises(ConfigError, match="data.streaming: needs train.dataloader_num_workers = 0"):
         engine.Run({"train": {"dataloader_num_workers": 1}, "data": {"train": corpus, "streaming": True}})
+
+
+def test_a_bad_row_in_a_shuffled_shard_is_named_by_its_line(tmp_path, tokenizer):
+    """The stream of one process of two, shuffled: the bad row is found again in the file's order."""
+    lines = [json.dumps({"text": d}) for d in DOCS * 8]
+    lines[1500] = json.dumps({"body": "no text"})
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(lines[:700] + [""] + lines[700:]) + "\n")  # a blank line: no row
+    stream = build_datasets(DataConfig(train=str(path), max_length=16, streaming=True, shuffle_buffer_size=50,
+                                       cache_dir=str(tmp_path / "cache")), tokenizer, 0, rank=1, world_size=2).train
+    with pytest.raises(ConfigError) as refused:
+        rows_of(stream)
+    assert str(refused.value) == f"data.train: {path} line 1502: 'text' is missing or null, expected a string"
+
+
+def test_a_stream_that_gives_no_example_is_refused_not_waited_on(tmp_path, tokenizer):
+    """Every document longer than data.max_length and left out: the loop would wait for a batch forever."""
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps({"text": " ".join(WORDS * 3)}) + "\n" for _ in range(20)))
+    stream = build_datasets(DataConfig(train=str(path), max_length=16, streaming=True, packing=False,
+                                       truncation="drop", cache_dir=str(tmp_path / "cache")), tokenizer, 0).train
+    with pytest.raises(ConfigError, match="data.train: a whole pass over the stream gave no example: every row was "
+                                          "left out"):
+        rows_of(stream)

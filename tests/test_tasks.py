@@ -303,6 +303,9 @@ def test_classification_and_seq2seq_resume_exactly(tmp_path):
 # ---------------------------------------------------------------------------- bad input
 
 
+TAGS = {"O": 0, "B-PLACE": 1, "I-PLACE": 2, "B-ANIMAL": 3, "I-ANIMAL": 4}
+
+
 def test_bad_task_inputs_are_one_line_exit_2_before_training(tmp_path, monkeypatch, capfd):
     from engine.cli import main
     from engine.config import to_toml
@@ -310,6 +313,14 @@ def test_bad_task_inputs_are_one_line_exit_2_before_training(tmp_path, monkeypat
     monkeypatch.chdir(ROOT)
     (tmp_path / "texts.jsonl").write_text("".join(json.dumps({"text": f"day {i}"}) + "\n" for i in range(16)))
     (tmp_path / "sources.jsonl").write_text("".join(json.dumps({"source": f"day {i}"}) + "\n" for i in range(16)))
+    sentiment = (EXAMPLES / "data" / "sentiment.jsonl").read_text().splitlines()[:16]
+    (tmp_path / "null_label.jsonl").write_text("\n".join(sentiment[:4] + ['{"text": "a day", "label": null}'] +
+                                                         sentiment[4:]) + "\n")
+    (tmp_path / "null_target.jsonl").write_text("".join(json.dumps({"source": f"day {i}", "target": f"night {i}"})
+                                                        + "\n" for i in range(6)) + '{"source": "day", "target": null}\n')
+    entities = (EXAMPLES / "data" / "entities.jsonl").read_text().splitlines()[:16]
+    (tmp_path / "untagged.jsonl").write_text("\n".join(entities[:2] + ["", json.dumps(
+        {"tokens": ["a", "day"], "tags": ["O", "NOPE"]})] + entities[2:]) + "\n")
     bert, t5 = "examples/configs/bert-tiny.json", "examples/configs/t5-tiny.json"
     cases = [
         ({"task": "sequence-classification", "model": bert, "num_labels": 2}, "examples/data/sentiment.jsonl",
@@ -324,6 +335,14 @@ def test_bad_task_inputs_are_one_line_exit_2_before_training(tmp_path, monkeypat
          "train.predict_with_generate: a sequence-classification model cannot generate"),
         ({"model": "tiny-llama", "predict_with_generate": True, "task": "token-classification"},
          "examples/data/entities.jsonl", "train.predict_with_generate: a token-classification model cannot generate"),
+        # a bad row named by its line in the file
+        ({"task": "sequence-classification", "model": bert}, str(tmp_path / "null_label.jsonl"),
+         f"data.train: {tmp_path / 'null_label.jsonl'} line 5: label column 'label' is missing or null, expected a "
+         "class id or name"),
+        ({"task": "seq2seq", "model": t5}, str(tmp_path / "null_target.jsonl"),
+         f"data.train: {tmp_path / 'null_target.jsonl'} line 7: 'target' is missing or null, expected a string"),
+        ({"task": "token-classification", "model": bert, "label2id": TAGS}, str(tmp_path / "untagged.jsonl"),
+         f"data.train: {tmp_path / 'untagged.jsonl'} line 4: label 'NOPE' is not in train.label2id ({', '.join(TAGS)})"),
     ]
     for index, (train, data, message) in enumerate(cases):
         out = tmp_path / f"out{index}"
@@ -405,3 +424,48 @@ def test_causal_lm_predict_with_generate_matches_seq2seq_trainer(tmp_path):
     with torch.no_grad():  # the loss is still computed: the mean over every predicted token
         loss = model(input_ids=data.rows, labels=data.rows).loss.item()
     assert ours.metrics["test_loss"] == pytest.approx(loss, abs=1e-6)
+
+
+def test_a_sequence_classifier_without_a_pad_token_id_gets_the_tokenizers_as_trainer_users_set_it(tmp_path):
+    """Llama configs have no pad_token_id, without which transformers' sequence classifiers refuse batches
+    of 2 or more: the engine takes the tokenizer's, as Trainer users set it themselves (same losses)."""
+    raw = rows("sentiment.jsonl", 64)
+    train, evaluation = raw.select(range(48)), raw.select(range(48, 64))
+    tokenizer = tokenizer_for(raw["text"])
+
+    def llama():
+        torch.manual_seed(0)
+        return transformers.LlamaForSequenceClassification(transformers.LlamaConfig(
+            vocab_size=len(tokenizer), num_labels=3, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64))
+
+    assert llama().config.pad_token_id is None
+    run = engine_run(tmp_path, llama(), tokenizer, train, evaluation)
+    assert run.model.config.pad_token_id == tokenizer.pad_token_id
+
+    reference = llama()
+    reference.config.pad_token_id = tokenizer.pad_token_id  # what a Trainer user writes
+
+    def preprocess(examples):  # run_glue.py's preprocess_function
+        return {**tokenizer(examples["text"], padding=False, max_length=24, truncation=True), "label": examples["label"]}
+
+    trainer = transformers.Trainer(model=reference, args=trainer_args(tmp_path),
+                                   train_dataset=train.map(preprocess, batched=True, remove_columns=train.column_names),
+                                   data_collator=transformers.DataCollatorWithPadding(tokenizer))
+    trainer.train()
+    assert_same_losses(run, trainer)
+
+    # the builtin tiny-llama as a classifier, from a run file's keys: it used to fail before reading the data
+    built = engine.Run({"train": {"task": "sequence-classification", "model": "tiny-llama", "max_steps": 2,
+                                  "per_device_train_batch_size": 4, "output_dir": str(tmp_path / "built"),
+                                  "save_strategy": "no", "save_final_model": False, "disable_tqdm": True},
+                        "data": {"train": str(EXAMPLES / "data" / "sentiment.jsonl"), "tokenizer": "train",
+                                 "tokenizer_vocab_size": 300, "max_length": 16}})
+    built.train()
+    assert built.model.config.pad_token_id == built.tokenizer.pad_token_id is not None
+
+    unpadded = tokenizer_for(raw["text"])
+    unpadded.pad_token = None
+    with pytest.raises(engine.ConfigError, match="the model's config has no pad_token_id, which sequence "
+                                                 "classification needs .* and the tokenizer has no pad token"):
+        engine_run(tmp_path / "unpadded", llama(), unpadded, train, evaluation)

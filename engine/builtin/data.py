@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from engine import hookimpl
 from engine.errors import ConfigError
 
@@ -9,6 +11,20 @@ from engine.errors import ConfigError
 @hookimpl
 def configure(run):
     train, data = run.config.train, run.config.data
+    if run.tokenizer is None and run.model is None and run.model_init is None and Path(train.model).is_dir():
+        from engine.checkpoint import check_model_folder
+        from engine.data import check_tokenizer_source
+
+        check_model_folder(Path(train.model), "train.model")  # a damaged folder says so first
+        check_tokenizer_source(data, train.model)  # before anything loads: engine plan says it too
+    if run.eval_dataset is None and (train.eval_strategy != "no" or train.eval_on_start):
+        others_supply_data = any(not impl.plugin_name.startswith("builtin.")
+                                 for impl in run.hook.create_datasets.get_hookimpls())
+        from_config = run.train_dataset is None
+        if not (from_config and (others_supply_data or data.eval is not None or data.eval_split > 0)):
+            from engine.data import no_evaluation_data
+
+            raise no_evaluation_data(train)
     if data.streaming and train.dataloader_num_workers:
         raise ConfigError("data.streaming: needs train.dataloader_num_workers = 0 (the stream position is "
                           "counted in this process, so that a resumed run starts exactly where it stopped)")
@@ -23,7 +39,25 @@ def create_datasets(run):
     return build_datasets(run.config.data, run.tokenizer, train.seed,
                           shuffle=train.train_sampling_strategy != "sequential",  # a stream: shuffled, never grouped
                           rank=run.strategy.rank, world_size=run.strategy.world_size,
-                          task=run.task, label2id=label_ids_by_name(train))
+                          task=run.task, label2id=label_ids_by_name(train), limits=_model_limits(run))
+
+
+def _model_limits(run):
+    """What rows of token ids must fit (their ids, their lengths), from the model given or the config of the
+    one the run builds after the data (None for a model factory: its rows are checked once it is built)."""
+    from engine.models import input_limits, model_config
+    from engine.util import is_callable_spec
+
+    spec = run.config.train.model
+    if run.model is not None:
+        return input_limits(run.model)
+    if is_callable_spec(spec):
+        return None
+    if Path(spec).is_dir():  # its files were checked when setup began
+        from transformers import AutoConfig
+
+        return input_limits(AutoConfig.from_pretrained(spec))
+    return input_limits(model_config(run.config.train, run.tokenizer))
 
 
 @hookimpl
