@@ -134,7 +134,8 @@ def _evaluate(args: argparse.Namespace) -> int:
     import logging
     from pathlib import Path
 
-    from .checkpoint import check_model_folder, saved_progress
+    from .checkpoint import check_model_folder, check_weights_kind, saved_progress
+    from .data import has_tokenizer, load_tokenizer
     from .errors import CheckpointError
     from .loop import cast_for_full_eval, evaluate
     from .util import dumps_json, write_json
@@ -146,6 +147,10 @@ def _evaluate(args: argparse.Namespace) -> int:
         if not folder.is_dir():
             raise CheckpointError(f"--checkpoint: {args.checkpoint} is not a folder")
         check_model_folder(folder, "--checkpoint")
+        check_weights_kind(run, folder, "--checkpoint")
+        if run.config.data.tokenizer in ("auto", "train") and has_tokenizer(folder):
+            # the tokenizer those weights were trained with, not one trained again on today's data
+            run.tokenizer = load_tokenizer(str(folder), "--checkpoint")
     run.setup()
     if folder is not None:
         run.strategy.load_model_weights(run.model, folder)
@@ -335,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(_join_plugin_edits(sys.argv[1:] if argv is None else list(argv)))
     command = {"train": _train, "evaluate": _evaluate, "plan": _plan, "plugins": _plugins,
                "migrate": _migrate, "report": _report_command}[args.command]
-    show_traceback = getattr(args, "traceback", False) or os.environ.get("ENGINE_TRACEBACK") == "1"
+    show_traceback = getattr(args, "traceback", False) or \
+        os.environ.get("ENGINE_TRACEBACK", "").strip().lower() not in ("", "0", "false", "no", "off")
     try:
         return command(args)
     except EngineError as exc:

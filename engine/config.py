@@ -29,6 +29,7 @@ from typing import Any, Literal, Union
 import tomllib
 
 from .errors import ConfigError
+from .util import decode_utf8, mask_secrets
 
 CORE_SECTIONS = ("train", "data")
 TOP_LEVEL_KEYS = ("plugins", "required_plugins")
@@ -91,7 +92,8 @@ class TrainConfig:
         "on an out-of-memory error in a training step, start the run again with per_device_train_batch_size "
         "x 0.9 (as Trainer through accelerate), until one fits; one process only"))
     gradient_accumulation_steps: int = option(1, min=1, help="micro-batches per optimizer step")
-    learning_rate: float = option(5e-5, min=0, help="peak learning rate")
+    # near 1e38 Adam's step size (lr / (1 - beta1)) overflows float32 before any loss is seen
+    learning_rate: float = option(5e-5, min=0, max=1e30, help="peak learning rate")
     weight_decay: float = option(0.0, min=0, help="decoupled weight decay (not applied to biases and norms)")
     adam_beta1: float = option(0.9, min=0, below=1, help="Adam beta1")
     adam_beta2: float = option(0.999, min=0, below=1, help="Adam beta2")
@@ -296,7 +298,8 @@ class DataConfig:
         "read data.train as it trains (tokenized and packed on the fly), for corpora larger than memory"))
     shuffle_buffer_size: int = option(10_000, min=1, help="streaming: examples in the shuffle buffer")
     tokenizer: str = option("auto", nonempty=True, help=(
-        "'auto' (the model folder's tokenizer, else train one), 'train', or a local tokenizer folder"))
+        "'auto' (the model folder's tokenizer, else train one), 'train' (refused for a pretrained train.model folder, "
+        "whose weights keep their own), or a local tokenizer folder"))
     tokenizer_vocab_size: int = option(1024, min=258, help="vocabulary size of a trained tokenizer")
 
 
@@ -418,11 +421,14 @@ SECRET_MASK = "***"
 
 
 def to_mapping(instance: Any) -> dict[str, Any]:
-    """The dataclass as a plain dict (the inverse of :func:`from_mapping`), secrets masked."""
+    """The dataclass as a plain dict (the inverse of :func:`from_mapping`), secrets masked: options
+    declared ``secret`` and credentials by their name inside tables (a DeepSpeed config's ``api_key``)."""
     mapping = dataclasses.asdict(instance)
     for f in dataclasses.fields(instance):
         if f.metadata.get("secret") and mapping[f.name] is not None:
             mapping[f.name] = SECRET_MASK
+        else:
+            mapping[f.name] = mask_secrets(mapping[f.name], SECRET_MASK)
     return mapping
 
 
@@ -451,16 +457,31 @@ def read_run_file(path: str | Path) -> dict[str, Any]:
         data = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read run file {path}: {exc.strerror}") from None
+    text = decode_utf8(data, f"run file {path}")
     try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        line = data[: exc.start].count(b"\n") + 1
-        raise ConfigError(f"run file {path} is not UTF-8 text (byte 0x{data[exc.start]:02x} on line {line}); "
-                          "save it as UTF-8") from None
-    try:
-        return tomllib.loads(text)
+        mapping = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: TOML syntax error: {exc}") from None
+    except RecursionError:  # the parser recurses per nesting level
+        mapping = None
+    check_nesting(mapping, f"run file {path}")
+    return mapping
+
+
+MAX_NESTING = 32  # levels of tables and arrays in a run: far more than any real config has
+
+
+def check_nesting(value: Any, where: str) -> None:
+    """Refuse a value nested deeper than :data:`MAX_NESTING` (``None``: one that was too deep to parse),
+    before code that walks it recursively overflows the stack."""
+    level = [value]
+    for _ in range(MAX_NESTING + 1):
+        level = [child for item in level if isinstance(item, (dict, list))
+                 for child in (item.values() if isinstance(item, dict) else item)]
+        if not level:
+            break
+    if value is None or level:
+        raise ConfigError(f"{where} nests tables or arrays more than {MAX_NESTING} levels deep")
 
 
 def default_run_mapping() -> dict[str, Any]:
@@ -473,9 +494,13 @@ def default_run_mapping() -> dict[str, Any]:
 def parse_value(text: str) -> Any:
     """A ``--set`` value: any TOML value (1e-4, true, [1, 2], "x"), else the bare string."""
     try:
-        return tomllib.loads(f"value = {text}")["value"]
+        value = tomllib.loads(f"value = {text}")["value"]
     except tomllib.TOMLDecodeError:
         return text
+    except RecursionError:
+        value = None
+    check_nesting(value, f"--set value {text[:40]!r}")
+    return value
 
 
 def apply_overrides(raw: dict[str, Any], sets: list[str] = (), plugin_edits: list[str] = ()) -> dict[str, Any]:
@@ -491,6 +516,8 @@ def apply_overrides(raw: dict[str, Any], sets: list[str] = (), plugin_edits: lis
         if not sep or not key.strip():
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. train.learning_rate=1e-4")
         parts = key.strip().split(".")
+        if len(parts) > MAX_NESTING:
+            raise ConfigError(f"--set {item[:60]!r}...: a key of more than {MAX_NESTING} parts")
         node = raw
         for depth, part in enumerate(parts[:-1]):
             child = node.setdefault(part, {})
@@ -523,6 +550,7 @@ def apply_overrides(raw: dict[str, Any], sets: list[str] = (), plugin_edits: lis
         for name in before:
             if name not in current:
                 raw.pop(name, None)  # a plugin switched off takes its options section with it
+    enabled_plugins(raw)  # e.g. --set plugins=3
     return raw
 
 

@@ -54,7 +54,7 @@ BUILTIN_PLUGINS = (
     "engine.builtin.patches",
     "engine.builtin.console:Console",
     "engine.builtin.jsonl:JsonlLogger",
-    "engine.builtin.report",
+    "engine.builtin.report:Report",
 )
 
 # Registry kinds: (register hook, config key that selects a name, noun in messages)
@@ -214,10 +214,12 @@ def unknown_plugin_message(name: str, installed: Iterable[str]) -> str:
     installed = sorted(installed)
     parts = [f"unknown plugin {name!r}"]
     module = f"engine_{name.replace('-', '_')}"
-    if name in FIRST_PARTY:
+    if name.startswith(BUILTIN_PREFIX):
+        parts.append("builtins are always on and are not named in plugins or --plugins")
+    elif name in FIRST_PARTY:
         info = FIRST_PARTY[name]
         parts.append(f"it comes from {info.distribution}: {info.install}")
-    elif importlib.util.find_spec(module) is not None:
+    elif module.isidentifier() and importlib.util.find_spec(module) is not None:
         parts.append(f"module {module!r} is importable but no entry point {name!r} is installed in group "
                      f"{ENTRY_POINT_GROUP!r}: add [project.entry-points.\"{ENTRY_POINT_GROUP}\"] {name} = "
                      f"\"{module}\" to its pyproject.toml and reinstall it (pip install -e .)")

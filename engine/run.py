@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from . import config as cfg
-from .checkpoint import ModelWeights
+from .checkpoint import ModelWeights, check_resume_spec
 from .errors import ConfigError
 from .logs import quiet_known_noise, setup_logging
 from .plugins import PLUGINS_ENV, EnvironmentPlugins, IsolatedHooks, PluginManager
@@ -125,6 +125,7 @@ class Run:
         self.config = cfg.compose(raw, self.plugin_manager.option_schemas())
         _resolve_defaults(self.config.train)
         _check_values(self.config.train)
+        check_resume_spec(self.config)
         # levels for what configure logs; setup() sets them again from the strategy's ranks
         setup_logging(self.config.train, env_rank("RANK"), env_rank("LOCAL_RANK"))
         if left_out:
@@ -205,7 +206,7 @@ class Run:
         from . import data as data_mod
         from . import tasks
         from .loss import shifts_labels
-        from .models import build_model, check_model
+        from .models import build_model, check_model, input_limits
 
         train, data = self.config.train, self.config.data
         self.setup_strategy()
@@ -215,17 +216,19 @@ class Run:
             self.model = _call_model_init(self.model_init)
         task = self.task
         tasks.configure(train, task)
+        max_length = data_mod.tokenized_max_length(data, self.train_dataset, task)  # None: rows of token ids
         if self.model is None:
-            check_model(train, data.max_length, task)  # its config, before the tokenizer, data and weights load
+            check_model(train, max_length, task)  # its config, before the tokenizer, data and weights load
         else:
-            self._check_model("model")
+            self._check_model("model", max_length)
         given = self.train_dataset
         if given is None or data_mod.is_datasets_object(given):
             data_mod.show_progress(not train.disable_tqdm)
         if self.tokenizer is None and (given is None or self.model is None or
                                        data_mod.needs_tokenizer(given, data, task)):
-            self.tokenizer = data_mod.build_tokenizer(data, train.model, given if data_mod.is_datasets_object(given)
-                                                      else None, task)
+            rows = given if data_mod.is_datasets_object(given) else None
+            with data_mod.named_rows(data.train if given is None else None, "data.train", data):  # rows learnt from
+                self.tokenizer = data_mod.build_tokenizer(data, train.model, rows, task)
         label2id = tasks.label_ids_by_name(train)
         if given is None:
             data_mod.check_config(data)
@@ -250,7 +253,7 @@ class Run:
                                           self.train_dataset)
             with self.strategy.model_init_context():
                 self.model = build_model(train, self.tokenizer, labels, self.model_load_kwargs)
-            self._check_model("train.model")
+            self._check_model("train.model", max_length)
         self._check_task_data(task)
         model_config = getattr(self.model, "config", None)
         if model_config is not None and hasattr(model_config, "use_cache"):  # as Trainer sets it
@@ -263,6 +266,7 @@ class Run:
         self.label_shift = shifts_labels(self.model)
         if train.label_names is not None:
             self.label_names = list(train.label_names)
+            self._check_label_names()
         else:  # Trainer's default; a module without label arguments: 'labels', which the engine's loss reads
             from transformers.utils import find_labels
 
@@ -271,6 +275,9 @@ class Run:
         if vocab_size is not None and self.tokenizer is not None and len(self.tokenizer) > vocab_size:
             raise ConfigError(f"the tokenizer has {len(self.tokenizer)} tokens but the model's vocab_size is "
                               f"{vocab_size}; set data.tokenizer to the model's tokenizer or pass tokenizer=")
+        limits = input_limits(self.model)  # rows of token ids given, or made by a data plugin, fit the model
+        data_mod.check_examples(self.train_dataset, task, "train_dataset", limits)
+        data_mod.check_examples(self.eval_dataset, task, "eval_dataset", limits)
 
         self.undo_patches = [undo for undo in self.hook.patch_model(run=self, model=self.model) if undo]
         try:
@@ -300,11 +307,15 @@ class Run:
             self.undo_patches.pop()()
 
     def _check_task_data(self, task: str) -> None:
-        """Class ids within the model's classes; a model that can generate for predict_with_generate."""
+        """Class ids within the model's classes; a model that can generate for predict_with_generate; a
+        sequence classifier's pad token id."""
         from . import tasks
+        from .models import fill_pad_token_id
 
+        fill_pad_token_id(self.model, self.tokenizer, task)
         if self.config.train.predict_with_generate:
             tasks.check_can_generate(self.model, "the model given" if self._model_given else "train.model")
+            tasks.generation(self.config.train, self.model)  # its settings refused now, not at the first evaluation
         num_labels = getattr(getattr(self.model, "config", None), "num_labels", None)
         if task not in tasks.CLASSIFICATION or not isinstance(num_labels, int):
             return
@@ -313,13 +324,33 @@ class Run:
         for name, dataset in evaluation.items():
             tasks.check_labels(dataset, num_labels, "data.eval" if name is None else f"eval_dataset[{name!r}]")
 
-    def _check_model(self, key: str) -> None:
-        """The model fits the data (positions) and, with the default loss, takes ``model(**batch)``."""
+    def _check_label_names(self) -> None:
+        """``train.label_names`` are keys of the batches evaluation sees (one example collated to find out)."""
+        evaluation = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"eval": self.eval_dataset}
+        dataset = next((d for d in evaluation.values() if d is not None), self.train_dataset)
+        if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__"):
+            return  # a stream: its first batch is not read ahead
+        dataset, collator = self.loader_data(dataset, "eval dataset")
+        if len(dataset) == 0:
+            return
+        example = dataset[0]
+        keys = collator([example]) if collator is not None else example
+        if not hasattr(keys, "keys"):
+            return  # not a mapping: the model takes no keyword batch
+        missing = [name for name in self.label_names if name not in keys]
+        if missing:
+            raise ConfigError(f"train.label_names: {', '.join(map(repr, missing))} is not a key of the batches, "
+                              f"which hold {', '.join(map(repr, keys))}; name the label keys, or leave "
+                              "train.label_names unset (the model's label arguments)")
+
+    def _check_model(self, key: str, max_length: int | None) -> None:
+        """The model fits the data (positions of data.max_length, None for rows of token ids) and, with the
+        default loss, takes ``model(**batch)``."""
         from .models import check_forward, check_positions
 
         config = getattr(self.model, "config", None)
         if config is not None:
-            check_positions(config, self.config.data.max_length, "the model")
+            check_positions(config, max_length, "the model")
         if self.uses_builtin_loss:
             check_forward(self.model, key)
 
@@ -403,7 +434,11 @@ class Run:
         self.state.steps_per_epoch = math.ceil(len(self.train_loader) / train.gradient_accumulation_steps)
         if train.max_steps > 0:
             return train.max_steps
-        return math.ceil(train.num_train_epochs * self.state.steps_per_epoch)
+        steps = train.num_train_epochs * self.state.steps_per_epoch
+        if steps >= 2**53:  # beyond a float's exact integers (1e308 epochs: inf)
+            raise ConfigError(f"train.num_train_epochs: {train.num_train_epochs:g} epochs of {self.state.steps_per_epoch} "
+                              "steps are more steps than any run takes; lower it, or set train.max_steps")
+        return math.ceil(steps)
 
     @property
     def num_warmup_steps(self) -> int:
@@ -543,6 +578,10 @@ def _check_values(train: cfg.TrainConfig) -> None:
         raise ConfigError(f"train.include_for_metrics: {', '.join(map(repr, unknown))} is not one of 'inputs', 'loss'")
     if train.bf16_full_eval and train.fp16_full_eval:
         raise ConfigError("train.bf16_full_eval and train.fp16_full_eval are both true; pick one")
+    if isinstance(train.generation_config, dict):
+        from .tasks import check_generation_values
+
+        check_generation_values(train.generation_config, "train.generation_config")
     for key in ("dataloader_persistent_workers", "dataloader_prefetch_factor"):
         if getattr(train, key) not in (None, False) and train.dataloader_num_workers == 0:
             raise ConfigError(f"train.{key} needs worker processes: set train.dataloader_num_workers > 0")

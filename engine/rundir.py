@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from . import __version__
 from .config import START_KEYS
 from .errors import CheckpointError, ConfigError, EngineError
-from .layout import FINAL_MARKER, LOCK, MARKER, MODEL_FILES, RECORD, RUN_FILES
+from .layout import FINAL_MARKER, LOCK, MARKER, METRICS, MODEL_FILES, RECORD, RUN_FILES
 from .util import dumps_json, write_json
 
 if TYPE_CHECKING:
@@ -250,6 +250,9 @@ def _run_work(output_dir: Path, record: dict[str, Any] | None) -> dict[str | Non
         # model files without the manifest: an unfinished final save of the recorded run, or a
         # model the engine did not write (owner None)
         work.setdefault(record["run_id"] if record else None, []).append("model files")
+    if record is not None and record["run_id"] not in work and (output_dir / METRICS).is_file():
+        # a run that saved nothing (it diverged, failed or saved no checkpoint): its logs are its work
+        work[record["run_id"]] = [f"its {METRICS}, status {record.get('status', 'unknown')}"]
     return work
 
 
@@ -380,7 +383,8 @@ def _claim_as_main(run: Run) -> Claim:
         if others:
             if not run.config.train.overwrite_output_dir:
                 held = "; ".join(_describe(owner, items) for owner, items in others.items())
-                resume = "continue it with train.resume_from_checkpoint = true, "
+                resumable = any(item.startswith("checkpoint-") for items in others.values() for item in items)
+                resume = "continue it with train.resume_from_checkpoint = true, " if resumable else ""
                 if run.config.train.resume_from_checkpoint is True and resume_from is None:
                     held, resume = f"{held} but none of its checkpoints to resume", ""
                 raise ConfigError(f"train.output_dir: {output_dir} holds {held}; {resume}choose another "

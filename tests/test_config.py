@@ -139,3 +139,16 @@ def test_a_secret_option_is_masked_in_the_mapping_but_kept_on_the_instance():
     assert to_mapping(Options(token="hf_abc")) == {"token": SECRET_MASK, "name": "x"}
     assert to_mapping(Options()) == {"token": None, "name": "x"}  # unset stays visible as unset
     assert Options(token="hf_abc").token == "hf_abc"
+
+
+def test_credentials_inside_tables_are_masked_wherever_the_config_is_shown():
+    """A table option (a DeepSpeed config, scheduler arguments) may hold a credential typed into the run
+    file: the plan, hyperparams.json and checkpoints show it masked, as options declared secret."""
+    from engine.config import SECRET_MASK, DataConfig, RunConfig, TrainConfig
+
+    train = TrainConfig(lr_scheduler_kwargs={"power": 2.0, "comet": {"api_key": "SECRET-1", "project": "p"}},
+                        model_config={"hub_token": "SECRET-2"})
+    shown = RunConfig(plugins=[], train=train, data=DataConfig()).to_mapping()["train"]
+    assert shown["lr_scheduler_kwargs"] == {"power": 2.0, "comet": {"api_key": SECRET_MASK, "project": "p"}}
+    assert shown["model_config"] == {"hub_token": SECRET_MASK}
+    assert train.lr_scheduler_kwargs["comet"]["api_key"] == "SECRET-1"  # the run itself still has it

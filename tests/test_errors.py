@@ -87,6 +87,8 @@ CASES = [
     ("toml syntax", "[train\n", [], "run.toml: TOML syntax error"),
     # values that used to pass validation and crash later
     ("nan learning rate", None, ["--set", "train.learning_rate=nan"], "train.learning_rate: expected a finite float, got nan"),
+    ("learning rate that overflows", None, ["--set", "train.learning_rate=1e38"],
+     "train.learning_rate: expected float in [0, 1e+30], got 1e+38"),
     ("inf learning rate", None, ["--set", "train.learning_rate=inf"], "train.learning_rate: expected a finite float, got inf"),
     ("negative seed", None, ["--set", "train.seed=-5"], "train.seed: expected int in [0, 4294967295], got -5"),
     ("negative workers", None, ["--set", "train.dataloader_num_workers=-1"],
@@ -133,7 +135,7 @@ CASES = [
      "train.model: factory_not_a_module:build returned int, expected a torch.nn.Module"),
     ("factory without input_ids", None, ["--set", 'train.model="factory_no_input_ids:build"'],
      "train.model: Net.forward(x) takes no input_ids; the default loss calls model(input_ids=..."),
-    ("folder config garbage", None, ["--set", 'train.model="garbage_folder"'],
+    ("folder config garbage", None, ["--set", 'train.model="garbage_folder"', "--set", 'data.tokenizer="tok"'],
      "train.model: garbage_folder/config.json is not a config transformers can read: "),
     ("scheduler argument of the wrong type", None, ["--set", 'train.lr_scheduler_type="cosine"', "--set",
                                                    'train.lr_scheduler_kwargs={num_cycles="half"}'],
@@ -148,9 +150,31 @@ CASES = [
      "data.text_column: data.train has no column 'text' (nor input_ids, messages, or prompt and completion); "
      "its columns: body, n"),
     ("chat without assistant", None, ["--set", "data.train=chat_user_only.jsonl", "--set", 'data.tokenizer="chattok"'],
-     "data.train row 0: no assistant message, so nothing to learn; roles: user"),
+     "data.train: chat_user_only.jsonl line 1: no assistant message, so nothing to learn; roles: user"),
     ("chat without template", None, ["--set", "data.train=chat.jsonl", "--set", 'data.tokenizer="tok"'],
      "data.train: chat data (a 'messages' column) needs a tokenizer with a chat template"),
+    # the composition and nesting of a run
+    ("plugins set to a number", None, ["--set", "plugins=3"], "plugins: expected list of str, got int 3"),
+    ("a builtin named as a plugin", None, ["--plugins", "+builtin.optimizers"],
+     "unknown plugin 'builtin.optimizers'; builtins are always on and are not named in plugins or --plugins"),
+    ("run file nested too deep", "[train]\nmodel_config = " + "[" * 100_000 + "]" * 100_000 + "\n", [],
+     "run file run.toml nests tables or arrays more than 32 levels deep"),
+    ("--set key nested too deep", None, ["--set", "a." * 100 + "b=1"], "a key of more than 32 parts"),
+    ("--set value nested too deep", None, ["--set", "train.model_config=" + "[" * 3000 + "]" * 3000],
+     "nests tables or arrays more than 32 levels deep"),
+    ("epochs beyond counting", None, ["--set", "train.max_steps=-1", "--set", "train.num_train_epochs=1e308"],
+     "train.num_train_epochs: 1e+308 epochs of "),
+    # evaluation and generation settings checked before training, not when first used
+    ("evaluation without data", None, ["--set", 'train.eval_strategy="steps"'],
+     "train.eval_strategy = 'steps' evaluates, but the run has no evaluation data: set data.eval or "
+     "data.eval_split (or pass eval_dataset), or set train.eval_strategy = 'no'"),
+    ("label_names of no batch key", None, ["--set", 'train.label_names=["nope"]'],
+     "train.label_names: 'nope' is not a key of the batches, which hold 'input_ids', 'labels'"),
+    ("generation value of the wrong type", None, ["--set", 'train.generation_config={max_new_tokens="lots"}'],
+     "train.generation_config.max_new_tokens: expected an int >= 1, got str 'lots'"),
+    ("sampling at temperature 0", None, ["--set", "train.predict_with_generate=true",
+                                         "--set", "train.generation_config={temperature=0.0, do_sample=true}"],
+     "train.generation_config: temperature = 0.0 with do_sample = true cannot sample; set do_sample = false"),
 ]
 CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
 FILES = {"rows.jsonl": '{"body": "x", "n": 1}\n', "chat.jsonl": json.dumps({"messages": CHAT}) + "\n",
@@ -254,9 +278,14 @@ def test_user_code_tracebacks_on_request(cli, tmp_path, monkeypatch):
     assert code == 2
     assert err[0] == "Traceback (most recent call last):" and 'raise ValueError(\'no GPU here\')' in "\n".join(err)
     assert err[-1] == "engine: error: train.model: factory_raises:build raised ValueError: no GPU here"
-    monkeypatch.setenv("ENGINE_TRACEBACK", "1")
-    code, _, err = cli("train", "run.toml")
-    assert code == 2 and len(err) > 1
+    for value in ("1", "yes", "True", "on"):
+        monkeypatch.setenv("ENGINE_TRACEBACK", value)
+        code, _, err = cli("train", "run.toml")
+        assert code == 2 and len(err) > 1, value
+    for value in ("0", "no", "false", ""):
+        monkeypatch.setenv("ENGINE_TRACEBACK", value)
+        code, _, err = cli("train", "run.toml")
+        assert code == 2 and len(err) == 1, value
 
 
 def test_compute_metrics_that_fails_is_one_line(cli, tmp_path):
@@ -373,6 +402,130 @@ def test_engine_evaluate_is_a_job_of_its_own(cli, tmp_path):
     assert (tmp_path / "out" / "metrics.jsonl").read_text() == log  # the training log is untouched
 
 
+# ---------------------------------------------------------------------------- pretrained tokenizers
+
+
+OTHER_CORPUS = "\n".join(f"zebra {i} quokka wombat {i * 7} yak xylophone vortex" for i in range(300))
+
+
+@pytest.fixture
+def pretrained(cli, tmp_path):
+    """A model trained on corpus.txt (its tokenizer learnt there) saved in out/, and other.txt, whose
+    text would teach a different tokenizer."""
+    (tmp_path / "other.txt").write_text(OTHER_CORPUS)
+    (tmp_path / "run.toml").write_text(to_toml({**_config(tmp_path / "out", save_strategy="steps", save_steps=2),
+                                                "data": {**_config(tmp_path)["data"], "eval_split": 0.1}}))
+    code, _, err = cli("train", "run.toml")
+    assert code == 0, err
+    return tmp_path / "out"
+
+
+def test_a_pretrained_model_keeps_its_tokenizer(cli, tmp_path, pretrained):
+    from engine.data import load_tokenizer
+
+    # the tokenizer data.tokenizer = "train" used to pair with the weights: learnt from other.txt
+    (tmp_path / "other.toml").write_text(to_toml({**_config(tmp_path / "other"),
+                                                  "data": {**_config(tmp_path)["data"], "train": "other.txt"}}))
+    assert cli("train", "other.toml")[0] == 0
+    own, other = load_tokenizer(str(pretrained), "x"), load_tokenizer(str(tmp_path / "other"), "x")
+    assert own.get_vocab() != other.get_vocab()
+
+    # fine-tuning on other.txt, as `engine train --set train.model=...` edits a run: its own tokenizer
+    tuned = {**_config(tmp_path / "tuned", model=str(pretrained)), "data": {"train": "other.txt", "max_length": 16}}
+    tuned["train"].pop("model_config")
+    (tmp_path / "tuned.toml").write_text(to_toml(tuned))
+    code, _, err = cli("train", "tuned.toml")
+    assert code == 0, err
+    assert load_tokenizer(str(tmp_path / "tuned"), "x").get_vocab() == own.get_vocab()
+
+    # a new tokenizer for those weights, or weights without their tokenizer: refused before anything loads
+    (tmp_path / "tuned.toml").write_text(to_toml({**tuned, "train": {**tuned["train"],
+                                                                     "output_dir": str(tmp_path / "again")}}))
+    code, _, err = cli("train", "tuned.toml", "--set", 'data.tokenizer="train"')
+    assert code == 2 and err == [f"engine: error: data.tokenizer = 'train' would pair a newly trained tokenizer with "
+                                 f"the pretrained weights of train.model '{pretrained}', whose embeddings belong to "
+                                 "its own tokenizer; set data.tokenizer = 'auto' (the model folder's tokenizer) or to "
+                                 "the folder of the tokenizer the weights were trained with"]
+    assert not (tmp_path / "again").exists()
+    weights_only = tmp_path / "weights-only"  # the model's files without its tokenizer
+    weights_only.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (weights_only / name).write_bytes((pretrained / name).read_bytes())
+    code, _, err = cli("plan", "tuned.toml", "--set", f'train.model="{weights_only}"')
+    assert code == 2 and err == [f"engine: error: data.tokenizer: train.model '{weights_only}' holds pretrained weights "
+                                 "but no tokenizer (tokenizer.json or tokenizer_config.json); set data.tokenizer to "
+                                 "the folder of the tokenizer the weights were trained with"]
+
+
+def test_engine_evaluate_uses_the_checkpoints_tokenizer(cli, tmp_path, pretrained):
+    """With other train data the run file would train another tokenizer: the checkpoint's own evaluates
+    (it used to give eval_loss on mismatched ids)."""
+    metrics = []
+    for train_data in ("corpus.txt", "other.txt"):
+        code, out, err = cli("evaluate", "run.toml", "--checkpoint", pretrained / "checkpoint-2",
+                             "--set", f"data.train={train_data}", "--set", "data.eval=corpus.txt")
+        assert code == 0, err
+        metrics.append(json.loads(out.strip().splitlines()[-1])["eval_loss"])
+    assert metrics[0] == metrics[1]
+
+
+# ---------------------------------------------------------------------------- what a folder holds
+
+
+def test_a_fresh_run_into_a_diverged_runs_folder_is_refused(cli, tmp_path):
+    """A diverged run saves no checkpoint: its logs and record used to be replaced without a word."""
+    (tmp_path / "run.toml").write_text(to_toml(_config(tmp_path / "out", learning_rate=1e30, logging_steps=1,
+                                                       max_steps=6)))
+    code, _, err = cli("train", "run.toml")
+    assert code == 3, err
+    record = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert record["status"] == "diverged"
+    code, _, err = cli("train", "run.toml", "--set", "train.learning_rate=1e-3")
+    assert code == 2 and err == [f"engine: error: train.output_dir: {tmp_path / 'out'} holds run {record['run_id']} "
+                                 "(its metrics.jsonl, status diverged); choose another train.output_dir, or set "
+                                 "train.overwrite_output_dir = true to remove it first"]
+    assert json.loads((tmp_path / "out" / "run.json").read_text()) == record
+    code, _, err = cli("train", "run.toml", "--set", "train.learning_rate=1e-3", "--set",
+                       "train.overwrite_output_dir=true")
+    assert code == 0, err
+    assert json.loads((tmp_path / "out" / "run.json").read_text())["run_id"] != record["run_id"]
+
+
+def test_evaluation_without_data_from_a_plugin_is_refused_before_anything_is_written(tmp_path):
+    """A create_datasets plugin may supply eval data, so the check waits for setup: still before the
+    run record, the logs or the report."""
+    from engine import Run, hookimpl
+    from engine.data import Datasets
+    from engine.errors import ConfigError
+    from engine.testing import tiny_dataset, tiny_model, tiny_tokenizer
+
+    class TrainOnly:
+        @hookimpl
+        def create_datasets(self, run):
+            return Datasets(tiny_dataset())
+
+    run = Run({"train": {"output_dir": str(tmp_path / "out"), "max_steps": 2, "eval_strategy": "steps"}},
+              model=tiny_model(vocab_size=300), tokenizer=tiny_tokenizer(300), plugins={"train_only": TrainOnly()})
+    with pytest.raises(ConfigError, match="train.eval_strategy = 'steps' evaluates, but the run has no evaluation data"):
+        run.train()
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("plugins, fragment", [
+    ([], "WORLD_SIZE=2: a launcher started 2 processes, but train.strategy 'single' trains in one; enable a "
+         "distributed strategy (plugins ddp, fsdp or deepspeed) or start one process"),
+    (["--plugins", "+ddp"], "WORLD_SIZE=2 is set but no launcher started this process (MASTER_ADDR is not set): "
+                            "start it with torchrun --nproc-per-node 2 (or deepspeed), or unset WORLD_SIZE"),
+])
+def test_a_world_size_without_its_launcher_is_refused(cli, tmp_path, monkeypatch, plugins, fragment):
+    """Each process used to train alone with no word."""
+    (tmp_path / "run.toml").write_text(to_toml(_config(tmp_path / "out")))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    _refused(cli, tmp_path, ["train", "run.toml", *plugins], fragment)
+
+
 # ---------------------------------------------------------------------------- a quiet start
 
 
@@ -398,3 +551,117 @@ def test_known_import_noise_shows_at_debug(tmp_path):
             "logging.getLogger('torchao').warning('Failed to load y.so: shown at debug')\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.stderr.splitlines() == ["something else", "Failed to load y.so: shown at debug"]
+
+
+# ---------------------------------------------------------------------------- bad rows in the data
+
+
+def _lines(*rows):
+    return "".join((json.dumps(row) if isinstance(row, dict) else row) + "\n" for row in rows)
+
+
+TOKENS = [{"input_ids": [1, 2, 3, 4]}] * 6
+CHAT_ROWS = [{"messages": CHAT}] * 6
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+BAD_ROWS = [  # (case, data file content, --set overrides, the error line after "engine: error: ")
+    # rows of token ids: refused before training, not a crash inside the step
+    ("id beyond the vocabulary", _lines(*TOKENS, {"input_ids": [1, 5000]}), [],
+     "data.train: rows.jsonl line 7: 'input_ids' holds the id 5000, but the model's embedding has 300 rows "
+     "(ids 0 to 299); give ids of the model's tokenizer, or a model with that vocabulary"),
+    ("string ids", _lines(*TOKENS, {"input_ids": ["the", "fox"]}), [],
+     "data.train: rows.jsonl line 7: 'input_ids' holds a str ('the') among its values, expected a list of token "
+     "ids (ints)"),
+    ("negative id", _lines(*TOKENS, {"input_ids": [1, -2, 3]}), [],
+     "data.train: rows.jsonl line 7: 'input_ids' holds the negative id -2; token ids start at 0"),
+    ("labels shorter than the ids", _lines(*[{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}] * 6,
+                                           {"input_ids": [1, 2, 3], "labels": [1, 2]}), [],
+     "data.train: rows.jsonl line 7: 'labels' holds 2 values, 'input_ids' 3: give one label per token "
+     "(-100 for no loss)"),
+    ("labels longer than the ids", _lines({"input_ids": [1, 2], "labels": [1, 2, 3]}, *TOKENS), [],
+     "data.train: rows.jsonl line 1: 'labels' holds 3 values, 'input_ids' 2: give one label per token "
+     "(-100 for no loss)"),
+    ("a row longer than the positions", _lines(*TOKENS, {"input_ids": [1] * 40}),
+     ["train.model_config.max_position_embeddings=32"],
+     "data.train: rows.jsonl line 7: 40 tokens, but the model has 32 positions (max_position_embeddings); "
+     "shorten the row, or raise train.model_config.max_position_embeddings"),
+    ("a length column of strings", _lines(*[{"input_ids": [1, 2, 3], "n": "three"}] * 8),
+     ['train.train_sampling_strategy="group_by_length"', 'train.length_column_name="n"'],
+     "train.length_column_name: column 'n' of the train dataset holds str 'three' in row 0 (counted from 0), "
+     "expected each example's length (an int >= 0); fix the column, or name another"),
+    # chat rows, named by their line in the file (blank lines are no rows; held-out rows count)
+    ("chat content null", _lines(*CHAT_ROWS[:3], "", {"messages": [CHAT[0], {"role": "assistant", "content": None}]},
+                                 *CHAT_ROWS),
+     ["data.eval_split=0.3"],
+     "data.train: rows.jsonl line 5: message 1 (assistant) has no content (null or missing); give it a string, "
+     "or leave the turn out"),
+    ("chat role an int", _lines(*CHAT_ROWS, {"messages": [{"role": 1, "content": "hi"}, CHAT[1]]}), [],
+     "data.train: rows.jsonl line 7: message 0 has an int (1) as its role, expected a string such as 'user'"),
+    ("chat template raises", _lines(*CHAT_ROWS, {"messages": [{"role": "user", "content": "boom"}, CHAT[1]]}),
+     ["data.tokenizer=\"raising\""],
+     "data.train: rows.jsonl line 7: the chat template raised TemplateError: no boom; fix the row, or the template "
+     "(data.tokenizer's tokenizer_config.json)"),
+    ("chat template broken", _lines(*CHAT_ROWS), ["data.tokenizer=\"broken\""],
+     "data.train: rows.jsonl line 1: the chat template raised TemplateSyntaxError: "),
+    # empty data, in the engine's words (not StopIteration, SchemaInferenceError, nor blamed on eval_split)
+    ("empty file", "", ["data.eval_split=0.1"],
+     "data.train: rows.jsonl is empty (0 bytes); give it rows, or name another file"),
+    ("blank lines", "\n \n\n", [], "data.train: rows.jsonl is empty (only blank lines); give it rows, or name another file"),
+    ("empty eval file", "", ["data.train=corpus.txt", "data.eval=rows.jsonl"],
+     "data.eval: rows.jsonl is empty (0 bytes); give it rows, or name another file"),
+    # every row left out: truncation leaves no answer to learn (it used to stop as "diverged" at lr 0)
+    ("no answer left", _lines(*[{"prompt": "line 1 of a corpus " * 5, "completion": "yes"}] * 8),
+     ["data.packing=false"],
+     "data.train: no example has a token to learn (a label other than -100 after the first): data.max_length = 16 "
+     "cuts the answers away; raise it, or set data.truncation = \"drop\" to leave out examples longer than it"),
+]
+
+
+def _save_tokenizers(folder):
+    """tok (no chat template), chat, raising (raise_exception on 'boom'), broken (a syntax error)."""
+    from engine.data import train_tokenizer
+
+    tokenizer = train_tokenizer(CORPUS.splitlines(), 300)
+    tokenizer.save_pretrained(folder / "tok")
+    for name, template in (("chat", CHAT_TEMPLATE), ("broken", "{% for m in messages %}"),
+                           ("raising", "{% if messages[0]['content'] == 'boom' %}{{ raise_exception('no boom') }}"
+                                       "{% endif %}" + CHAT_TEMPLATE)):
+        tokenizer.chat_template = template
+        tokenizer.save_pretrained(folder / name)
+
+
+@pytest.mark.parametrize("name, content, overrides, line", BAD_ROWS, ids=[c[0] for c in BAD_ROWS])
+def test_a_bad_row_is_one_line_naming_it_before_training(cli, tmp_path, name, content, overrides, line):
+    _save_tokenizers(tmp_path)
+    (tmp_path / "rows.jsonl").write_text(content)
+    tokenizer = "chat" if "chat" in name else "tok"
+    (tmp_path / "run.toml").write_text(to_toml({**_config(tmp_path / "out"), "data": {
+        **_config(tmp_path)["data"], "train": "rows.jsonl", "tokenizer": tokenizer}}))
+    sets = [arg for override in overrides for arg in ("--set", override)]
+    assert _refused(cli, tmp_path, ["train", "run.toml", *sets], line).startswith(f"engine: error: {line}")
+
+
+def test_a_bad_row_met_mid_stream_ends_the_run_with_one_line_and_its_checkpoints_resume(cli, tmp_path):
+    """A streamed file read as the run trains: its bad row (past the rows read at the start) stops
+    the run with one line naming it; the run is recorded as failed, its checkpoints resume."""
+    _save_tokenizers(tmp_path)
+    rows = [{"text": f"line {i} of a corpus about clear error messages"} for i in range(2400)]
+    good = _lines(*rows)
+    (tmp_path / "stream.jsonl").write_text(_lines(*rows[:1500], {"text": None}, *rows[1501:]))
+    (tmp_path / "run.toml").write_text(to_toml({
+        **_config(tmp_path / "out", max_steps=300, per_device_train_batch_size=8, save_strategy="steps",
+                  save_steps=50, logging_steps=50),
+        "data": {**_config(tmp_path)["data"], "train": "stream.jsonl", "streaming": True, "shuffle_buffer_size": 1,
+                 "packing": False, "tokenizer": "tok"}}))
+    code, _, err = cli("train", "run.toml")
+    assert code == 2
+    assert err[-1] == "engine: error: data.train: stream.jsonl line 1501: 'text' is missing or null, expected a string"
+    assert all(line.startswith("engine: ") for line in err), err
+    assert not any("Traceback" in line for line in err), err
+    assert json.loads((tmp_path / "out" / "run.json").read_text())["status"] == "failed"
+    saved = sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*"))
+    assert saved and all((tmp_path / "out" / name / MARKER).is_file() for name in saved)
+
+    (tmp_path / "stream.jsonl").write_text(good)  # the row fixed, the run resumes from its last checkpoint
+    code, _, err = cli("train", "run.toml", "--set", "train.resume_from_checkpoint=true")
+    assert code == 0, err
+    assert json.loads((tmp_path / "out" / "run.json").read_text())["status"] == "finished"

@@ -256,7 +256,7 @@ def _all_finite(tensors):
     return all(torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point())
 
 
-@pytest.mark.parametrize("learning_rate", ["1e6", "1e30"])
+@pytest.mark.parametrize("learning_rate", ["1e10", "1e30"])
 def test_a_diverged_run_stops_with_status_3_and_leaves_no_nan_on_disk(tmp_path, learning_rate):
     out = tmp_path / "out"
     run_file = _run_file(tmp_path, out, max_steps=40, save_steps=2, logging_steps=5)
@@ -484,17 +484,15 @@ def test_a_damaged_final_model_is_refused_as_train_model(tmp_path, damage, messa
         weights.write_bytes(weights.read_bytes()[:1000])
     else:
         weights.unlink()
-    run = _config_run(tmp_path, tmp_path / "next", model=str(out))
-    with pytest.raises(CheckpointError, match=f"train.model: {out}: {message}"):
-        run.train()
+    with pytest.raises(CheckpointError, match=f"train.model: {out}: {message}"):  # when the run is composed
+        _config_run(tmp_path, tmp_path / "next", model=str(out)).train()
 
 
 def test_a_model_folder_without_weights_is_refused_with_the_config_file_hint(tmp_path):
     folder = tmp_path / "model"
     tiny_model().config.save_pretrained(folder)
-    run = _config_run(tmp_path, tmp_path / "out", model=str(folder))
     with pytest.raises(ConfigError, match=rf"has config.json but no weights .*train.model = '{folder / 'config.json'}'"):
-        run.train()
+        _config_run(tmp_path, tmp_path / "out", model=str(folder)).train()
 
 
 FSIZE_PLUGIN = '''

@@ -41,7 +41,8 @@ def _plan(capfd, *args):
 
 def test_engine_plugins_adds_plugins_to_every_run_after_the_runs_own(monkeypatch, capfd):
     monkeypatch.setenv("ENGINE_PLUGINS", "early_stopping")
-    run = Run({"plugins": ["lion"], "train": {"eval_strategy": "steps", "metric_for_best_model": "loss"}})
+    run = Run({"plugins": ["lion"], "train": {"eval_strategy": "steps", "metric_for_best_model": "loss"},
+               "data": {"eval_split": 0.1}})
     assert run.config.plugins == ["lion", "early_stopping"]
     out = _plan(capfd, "--plugins", "+lion")
     assert "early_stopping           engine 0.1.0, entry point engine.builtin.early_stopping:EarlyStopping; named by " \

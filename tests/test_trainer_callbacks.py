@@ -9,7 +9,7 @@ from transformers import EarlyStoppingCallback, TrainerCallback
 
 from engine import Run
 from engine.data import DataCollator
-from engine.errors import PluginError
+from engine.errors import ConfigError, PluginError
 from engine.testing import tiny_dataset, tiny_model
 
 EVENTS = ("on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_step_begin",
@@ -142,3 +142,31 @@ def test_callback_states_restore_from_a_checkpoint_as_under_trainer(tmp_path):
         stopped[restore] = trainer.state.global_step, run.state.global_step
     # restored, the patience counter (1 after step 4) goes on: stops at 8; afresh it counts again from 0
     assert stopped == {True: (8, 8), False: (10, 10)}
+
+
+@pytest.mark.parametrize("stop", [True, False], ids=["stopped at 7", "max_steps 10"])
+def test_on_log_fires_where_trainers_does_at_a_stop_and_the_last_step(tmp_path, stop):
+    """The engine logs the steps since the last log at a stop and at the last step; Trainer does not,
+    and its callbacks saw two on_log at step 7 (that log and the train summary)."""
+    args = dict(SHARED, logging_steps=3, eval_strategy="no")
+    callbacks = lambda recorder: [recorder, StopAt7()] if stop else [recorder]  # noqa: E731
+    theirs, ours = Recorder(), Recorder()
+    trainer_run(tmp_path / "trainer", callbacks(theirs), **args)
+    run = engine_run(tmp_path / "engine", callbacks(ours), **args)
+    last = 7 if stop else 10
+    assert [step for name, step in theirs.events if name == "on_log"] == [3, 6, 9, last][:3 - stop] + [last]
+    assert ours.events == theirs.events
+    logged = [entry["step"] for entry in run.state.log_history if "loss" in entry]
+    assert logged == [3, 6, last] if stop else [3, 6, 9, last]  # the engine's own log keeps the last interval
+
+
+def test_callbacks_run_with_bf16_on_the_cpu(tmp_path):
+    ours = Recorder()
+    run = engine_run(tmp_path / "engine", [ours], max_steps=2, bf16=True, save_strategy="no")
+    assert run.state.global_step == 2 and ("on_train_end", 2) in ours.events
+
+
+def test_a_callback_that_is_not_a_trainer_callback_is_refused():
+    with pytest.raises(ConfigError, match=r"Run\(callbacks=...\): <object object at .*> is not a transformers "
+                                          r"TrainerCallback \(an instance or subclass\)"):
+        Run({"train": {"max_steps": 1}}, callbacks=[object()])

@@ -1,7 +1,7 @@
 """The offline install: scripts/wheelhouse.py builds a wheelhouse of engine, galore and the contrib
 plugin lion with all their dependencies; a fresh virtual environment installs it with --no-index,
-lists exactly those plugins (and the engine's own, early_stopping) and trains two steps with
-galore as the development install does."""
+lists exactly those plugins (and the engine's own, early_stopping), trains two steps with
+galore as the development install does, migrates TrainingArguments and runs a TrainerCallback."""
 
 from __future__ import annotations
 
@@ -21,6 +21,23 @@ from engine.testing import logged_scalars, write_run_file
 ROOT = Path(__file__).resolve().parents[1]
 GALORE = {"optim": "galore_adamw", "optim_target_modules": [r".*attn.*", r".*mlp.*"],
           "optim_args": "rank=4,update_proj_gap=50,scale=0.5,proj_type=std"}
+
+
+# two steps with a TrainerCallback, which gets Trainer's args (a TrainingArguments)
+CALLBACK_RUN = """
+from transformers import TrainerCallback
+from engine import Run
+from engine.testing import tiny_dataset, tiny_model
+
+class Steps(TrainerCallback):
+    seen = []
+    def on_step_end(self, args, state, control, **kwargs):
+        self.seen.append(str(state.global_step))
+
+Run({"train": {"max_steps": 2, "output_dir": "callback-run", "save_strategy": "no", "disable_tqdm": True}},
+    model=tiny_model(), train_dataset=tiny_dataset(), callbacks=[Steps()]).train()
+open("callback-steps.txt", "w").write(" ".join(Steps.seen))
+"""
 
 
 def _run(command, **kwargs):
@@ -96,6 +113,12 @@ def test_a_wheelhouse_installs_offline_into_a_fresh_venv_and_trains(tmp_path):
         assert len(modules) == 5 and all(Path(module).is_relative_to(venv) for module in modules), modules
 
         _run([venv / "bin" / "engine", "train", _two_galore_steps(tmp_path / "offline")], env=env, cwd=tmp_path)
+        # what builds transformers' TrainingArguments (which needs accelerate) works there too
+        (tmp_path / "args.json").write_text('{"learning_rate": 0.001, "max_steps": 2, "output_dir": "migrated"}')
+        migrated = _run([venv / "bin" / "engine", "migrate", "args.json"], env=env, cwd=tmp_path)
+        assert "learning_rate = 0.001" in migrated
+        _run([venv / "bin" / "python", "-c", CALLBACK_RUN], env=env, cwd=tmp_path)
+        assert (tmp_path / "callback-steps.txt").read_text() == "1 2"
 
     # the same run with the development install (editable engine, galore and lion, in this
     # process): the same losses and gradient norms

@@ -60,11 +60,14 @@ def is_callback(obj: Any) -> bool:
 
 def training_arguments(train: Any) -> Any:
     """A ``TrainingArguments`` with the values of the ``[train]`` keys it shares with the engine."""
+    import torch
     import transformers
 
     names = {f.name for f in dataclasses.fields(transformers.TrainingArguments) if f.init}
     values = {f.name: getattr(train, f.name) for f in dataclasses.fields(train) if f.name in names}
     values["report_to"] = "none"
+    if not torch.accelerator.is_available():  # training on the CPU: TrainingArguments refuses bf16 without it
+        values["use_cpu"] = True
     try:
         return transformers.TrainingArguments(**values)
     except (ValueError, TypeError):
@@ -84,6 +87,10 @@ class TrainerCallbacks:
     def __init__(self, callbacks: list[Any]):
         from transformers.trainer_callback import DefaultFlowCallback, TrainerControl, TrainerState
 
+        for callback in callbacks:
+            if not is_callback(callback):
+                raise ConfigError(f"Run(callbacks=...): {callback!r:.80} is not a transformers TrainerCallback "
+                                  "(an instance or subclass); engine plugins go in Run(plugins=...)")
         self.callbacks = [callback() if isinstance(callback, type) else callback for callback in callbacks]
         self.flow = DefaultFlowCallback()
         self.control = TrainerControl()
@@ -193,6 +200,10 @@ class TrainerCallbacks:
 
     @hookimpl
     def log_metrics(self, run, metrics, step):
+        if "loss" in metrics and not self.control.should_log:
+            # the engine also logs the steps since the last log at a stop or the last step; Trainer
+            # does not, so its callbacks see only the logs Trainer makes (the train summary follows)
+            return
         self.control.should_log = False
         logs = dict(metrics)
         logs.setdefault("epoch", run.state.epoch)
