@@ -482,13 +482,33 @@ def _tensor_entry_problem(entry: Any) -> str | None:
     return None
 
 
+_CHECKED_FOLDERS: set[tuple[Any, ...]] = set()  # model folders found intact, by the stat of their files
+
+
+def _folder_stamp(folder: Path) -> tuple[Any, ...]:
+    """The folder and the name, size and modification time of each file in it: changes when any file does."""
+    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir() if p.is_file())
+    return (os.path.realpath(folder), *files)
+
+
 def check_model_folder(folder: Path, key: str) -> None:
     """Refuse a model folder (``key`` names where it came from) whose weights are missing or damaged.
 
     A folder the engine wrote is checked against its manifest (sizes and checksums); any other
     must have config.json and weights, checked against their safetensors headers. A run folder
-    whose final save did not finish is refused.
+    whose final save did not finish is refused. A folder found intact is not read again while its
+    files stay as they were (configure, the task and the model build each ask: checksums read
+    every byte of the weights).
     """
+    stamp = _folder_stamp(folder) if folder.is_dir() else None
+    if stamp is not None and stamp in _CHECKED_FOLDERS:
+        return
+    _check_model_folder(folder, key)
+    if stamp is not None:
+        _CHECKED_FOLDERS.add(stamp)
+
+
+def _check_model_folder(folder: Path, key: str) -> None:
     for marker in (FINAL_MARKER, MARKER):
         if (folder / marker).is_file():
             try:  # the model's files; a checkpoint's optimizer and other state files are not read

@@ -1439,6 +1439,11 @@ def _call_source(spec: str, key: str, tokenizer: PreTrainedTokenizerBase) -> Any
     return dataset
 
 
+def schedules_evaluation(train: Any) -> bool:
+    """Whether the run evaluates while it trains (``train.eval_strategy``, ``train.eval_on_start``)."""
+    return train.eval_strategy != "no" or train.eval_on_start
+
+
 def no_evaluation_data(train: Any) -> ConfigError:
     """The refusal of a run whose schedule evaluates but that has no evaluation data."""
     key = f"train.eval_strategy = {train.eval_strategy!r}" if train.eval_strategy != "no" else "train.eval_on_start"

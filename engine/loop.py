@@ -134,9 +134,9 @@ def _train(run: Run, claim: rundir.Claim) -> dict[str, float]:
     main = strategy.is_main_process
     accumulation = train_cfg.gradient_accumulation_steps
     state.max_steps = run.num_training_steps
-    if run.eval_dataset is None and (train_cfg.eval_strategy != "no" or train_cfg.eval_on_start):
-        from .data import no_evaluation_data
+    from .data import no_evaluation_data, schedules_evaluation
 
+    if run.eval_dataset is None and schedules_evaluation(train_cfg):
         raise no_evaluation_data(train_cfg)  # now, not at the first evaluation an epoch later
     if resume_from is not None:
         checkpoint.load(run, resume_from)

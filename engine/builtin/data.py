@@ -17,13 +17,13 @@ def configure(run):
 
         check_model_folder(Path(train.model), "train.model")  # a damaged folder says so first
         check_tokenizer_source(data, train.model)  # before anything loads: engine plan says it too
-    if run.eval_dataset is None and (train.eval_strategy != "no" or train.eval_on_start):
+    from engine.data import no_evaluation_data, schedules_evaluation
+
+    if run.eval_dataset is None and schedules_evaluation(train):
         others_supply_data = any(not impl.plugin_name.startswith("builtin.")
                                  for impl in run.hook.create_datasets.get_hookimpls())
         from_config = run.train_dataset is None
         if not (from_config and (others_supply_data or data.eval is not None or data.eval_split > 0)):
-            from engine.data import no_evaluation_data
-
             raise no_evaluation_data(train)
     if data.streaming and train.dataloader_num_workers:
         raise ConfigError("data.streaming: needs train.dataloader_num_workers = 0 (the stream position is "
@@ -46,18 +46,11 @@ def _model_limits(run):
     """What rows of token ids must fit (their ids, their lengths), from the model given or the config of the
     one the run builds after the data (None for a model factory: its rows are checked once it is built)."""
     from engine.models import input_limits, model_config
-    from engine.util import is_callable_spec
 
-    spec = run.config.train.model
     if run.model is not None:
         return input_limits(run.model)
-    if is_callable_spec(spec):
-        return None
-    if Path(spec).is_dir():  # its files were checked when setup began
-        from transformers import AutoConfig
-
-        return input_limits(AutoConfig.from_pretrained(spec))
-    return input_limits(model_config(run.config.train, run.tokenizer))
+    config = model_config(run.config.train, run.tokenizer)  # a folder's config.json, or the one built from values
+    return None if config is None else input_limits(config)
 
 
 @hookimpl
