@@ -1,6 +1,6 @@
 """Checkpoint save and load time and bytes: engine against transformers' Trainer, two models:
 
-* ``tiny``  the default run's ``tiny-llama``, built by ``engine.models.build_model`` from the
+* ``tiny``  the default run's ``tiny-llama``, built by ``engine.builtin.models.build_model`` from the
             builtin config with the default run's vocabulary size (1024);
 * ``100m``  a LlamaForCausalLM built from a LlamaConfig: hidden 768, 12 layers (12 heads, 4
             KV heads), intermediate 2048, vocab 32000, tied embeddings (100,092,672 params).
@@ -55,8 +55,8 @@ from safetensors.torch import load_file
 import engine
 from engine import checkpoint
 from engine.config import default_run_mapping
-from engine.data import DataCollator
-from engine.models import build_model
+from engine.builtin.data.collators import DataCollator
+from engine.builtin.models import build_model
 from engine.testing import tiny_dataset
 
 LEARNING_RATE, MAX_STEPS, BATCH_SIZE, SEQ_LEN = 1e-3, 10, 4, 64

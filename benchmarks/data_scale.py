@@ -100,7 +100,7 @@ def generate(path: Path, size_bytes: int, seed: int = 0) -> None:
 def save_tokenizer(corpus: Path, folder: Path) -> None:
     if (folder / "tokenizer.json").exists():
         return
-    from engine.data import train_tokenizer
+    from engine.builtin.data.tokenizer import train_tokenizer
 
     with corpus.open(encoding="utf-8") as lines:
         texts = [json.loads(line)["text"] for line, _ in zip(lines, range(2000))]

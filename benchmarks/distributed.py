@@ -128,7 +128,7 @@ def run_engine(strategy, base, dataset, args, round_index):
         "logging_steps": args.steps, "save_strategy": "no", "disable_tqdm": True, "seed": SEED,
         "use_cpu": args.device == "cpu", "log_level": "warning", "overwrite_output_dir": True,
         "output_dir": f"/tmp/engine-distributed-bench/{strategy}-{round_index}"}}
-    from engine.data import DataCollator
+    from engine.builtin.data.collators import DataCollator
 
     started = time.perf_counter()
     run = engine.Run(config, model=copy.deepcopy(base), train_dataset=dataset, data_collator=DataCollator(0),

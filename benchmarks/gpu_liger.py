@@ -40,7 +40,7 @@ def measure(variant: str, batch: int, args) -> dict:
     import transformers
 
     import engine
-    from engine.data import DataCollator
+    from engine.builtin.data.collators import DataCollator
     from engine.testing import TokenDataset
 
     clock = StepClock(synchronize=torch.cuda.synchronize)

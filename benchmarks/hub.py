@@ -42,7 +42,7 @@ import fsspec
 import torch
 
 from engine import Run, hookimpl
-from engine.data import DataCollator
+from engine.builtin.data.collators import DataCollator
 from engine.testing import tiny_dataset, tiny_model
 
 HERE = Path(__file__).parent

@@ -38,14 +38,14 @@ def measure(args) -> dict:
     import torch
 
     import engine
-    from engine.data import DataCollator
+    from engine.builtin.data.collators import DataCollator
     from engine.testing import tiny_dataset
 
     clock = StepClock()
 
     import transformers
 
-    from engine.models import BUILTIN_CONFIGS
+    from engine.kit.models import BUILTIN_CONFIGS
 
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**BUILTIN_CONFIGS["small-llama"]))

@@ -71,8 +71,8 @@ import torch
 import engine
 from engine.catalogue import FIRST_PARTY
 from engine.config import TrainConfig
-from engine.data import DataCollator
-from engine.models import build_model
+from engine.builtin.data.collators import DataCollator
+from engine.builtin.models import build_model
 from engine.testing import tiny_dataset
 
 SEED = 42

@@ -47,7 +47,7 @@ import optimizer_memory as om  # benchmarks/optimizer_memory.py: this script's f
 import torch
 
 import engine
-from engine.data import DataCollator
+from engine.builtin.data.collators import DataCollator
 from engine.testing import tiny_dataset
 
 MODES = ("full", "lora", "qlora")

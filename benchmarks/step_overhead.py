@@ -71,7 +71,7 @@ import torch
 import transformers
 
 import engine
-from engine.data import DataCollator
+from engine.builtin.data.collators import DataCollator
 from engine.testing import tiny_dataset
 from engine_clock import StepClock
 

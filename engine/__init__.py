@@ -32,10 +32,11 @@ _LAZY = {
     "Control": "engine.state",
     "Strategy": "engine.strategy",
     "ModelWeights": "engine.checkpoint",
-    "EvalPrediction": "engine.loop",
+    "EvalPrediction": "engine.metrics",
     "TrainConfig": "engine.config",
     "DataConfig": "engine.config",
     "option": "engine.config",
+    "to_toml": "engine.config",
     "EngineError": "engine.errors",
     "ConfigError": "engine.errors",
     "PluginError": "engine.errors",
@@ -43,6 +44,7 @@ _LAZY = {
     "CheckpointError": "engine.errors",
     "TrainingDiverged": "engine.errors",
     "PredictionOutput": "engine.state",
+    "Datasets": "engine.state",
     "param_groups": "engine.optim",
     "parse_optim_args": "engine.optim",
     "OptimArg": "engine.optim",
@@ -51,7 +53,9 @@ _LAZY = {
     "target_linear_parameters": "engine.optim",
     "strategy_name": "engine.strategy",
     "require": "engine.util",
-    "migrate": "engine.migration",
+    "load_callable": "engine.util",
+    "dumps_json": "engine.util",
+    "migrate": "engine.tooling.migration",
 }
 
 __all__ = ["hookimpl", "__version__", *_LAZY]

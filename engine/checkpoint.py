@@ -21,8 +21,9 @@ Layout (Hugging Face compatible)::
     output_dir/                           the final model: the same model files, and
         model_complete                    its manifest, written last
 
-Which weights are saved, in which files, is ``run.weights`` (:class:`ModelWeights`): every weight
-in the layout above, or the part a plugin selects (peft's adapter, in its own layout).
+Which weights are saved, in which files, is ``run.weights`` (:class:`ModelWeights`, the answer to the
+``checkpoint_weights`` hook): every weight in the layout above, or the part a plugin selects (peft's
+adapter, in its own layout).
 
 Crash safety: a checkpoint is written into ``.tmp-checkpoint-<step>`` and renamed into place,
 so a folder named ``checkpoint-<step>`` is always complete (the manifest guards against copies).
@@ -58,7 +59,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import xxhash
 
-from .config import START_KEYS, RunConfig
+from .catalogue import CHECKPOINT_SOURCES
+from .config import START_KEYS, RunConfig, parse_optim_args
 from .errors import CheckpointError, ConfigError, PluginError, TrainingDiverged
 from .layout import (
     DELETING,
@@ -74,7 +76,7 @@ from .layout import (
 from .util import dumps_json
 
 if TYPE_CHECKING:
-    from .run import Run
+    from .state import RunView
 
 logger = logging.getLogger("engine")
 
@@ -83,7 +85,7 @@ PROGRESS_FIELDS = ("global_step", "epoch", "num_input_tokens_seen", "log_history
 REQUIRED = ("trainer_state.json", "scheduler.pt", "engine_state.pt")  # + the strategy's checkpoint_files
 
 
-def data_order(run: Run) -> dict[str, int]:
+def data_order(run: RunView) -> dict[str, int]:
     """What fixes which samples make each step: a resume with other values would not continue the
     same run, so it is refused. The global batch counts, not its split over processes: the
     sampler gives N processes the same samples per step as one process with N times the batch."""
@@ -342,7 +344,7 @@ def quiet_transformers():
             hf_logging.enable_progress_bar()
 
 
-def write_model(run: Run, folder: Path, model_state: dict[str, torch.Tensor]) -> None:
+def write_model(run: RunView, folder: Path, model_state: dict[str, torch.Tensor]) -> None:
     """Weights (HF ``save_pretrained`` layout when the model has it) and tokenizer into ``folder``."""
     from safetensors.torch import save_file
 
@@ -359,16 +361,16 @@ def write_model(run: Run, folder: Path, model_state: dict[str, torch.Tensor]) ->
 class ModelWeights:
     """Which of the model's weights a checkpoint and the final model hold, and how they are written and read.
 
-    ``run.weights`` is one of these. The default holds every weight: ``save_pretrained``'s layout
+    ``run.weights`` is one of these: the answer to the ``checkpoint_weights`` hook, asked once after
+    ``configure``. The default (``builtin.weights``) holds every weight: ``save_pretrained``'s layout
     for HF models (``model.safetensors``), the safetensors file alone for other modules. A plugin
-    that trains a part of a frozen model (peft adapters) sets ``run.weights`` to a subclass in
-    ``configure``, before a resume is validated: its checkpoints are then complete with the files
+    that trains a part of a frozen model (peft adapters) answers with a subclass: its checkpoints are then complete with the files
     :meth:`files` names (checksummed like any other), and resume, ``load_best_model_at_end`` and
     ``engine evaluate --checkpoint`` read them back through :meth:`load`. Strategies that write
     sharded or engine-specific files (FSDP, DeepSpeed) do not consult it.
     """
 
-    def select(self, run: Run, model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def select(self, run: RunView, model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The part of the full state dict that is saved (checked finite first)."""
         return model_state
 
@@ -376,20 +378,20 @@ class ModelWeights:
         """The weight files :meth:`write` put into ``folder`` (required to resume from it)."""
         return (WEIGHTS_INDEX if (folder / WEIGHTS_INDEX).is_file() else WEIGHTS,)
 
-    def write(self, run: Run, folder: Path, state: dict[str, torch.Tensor]) -> None:
+    def write(self, run: RunView, folder: Path, state: dict[str, torch.Tensor]) -> None:
         """Write the selected ``state`` (and the tokenizer) into a checkpoint ``folder``."""
         write_model(run, folder, state)
 
-    def write_final(self, run: Run, folder: Path, state: dict[str, torch.Tensor]) -> None:
+    def write_final(self, run: RunView, folder: Path, state: dict[str, torch.Tensor]) -> None:
         """Write the final model into ``folder`` (its files are then moved into output_dir)."""
         self.write(run, folder, state)
 
-    def load(self, run: Run, model: torch.nn.Module, folder: Path, device: Any) -> None:
+    def load(self, run: RunView, model: torch.nn.Module, folder: Path, device: Any) -> None:
         """Load what :meth:`write` saved in ``folder`` into ``model``; a mismatch is a CheckpointError."""
         load_weights(model, folder, device)
 
 
-def check_finite_weights(run: Run, model_state: dict[str, torch.Tensor], what: str) -> None:
+def check_finite_weights(run: RunView, model_state: dict[str, torch.Tensor], what: str) -> None:
     """Refuse to save non-finite weights: the run diverged (one host sync for all tensors)."""
     floats = [(name, t) for name, t in model_state.items() if t.is_floating_point() and t.numel()]
     if not floats:
@@ -404,7 +406,7 @@ def check_finite_weights(run: Run, model_state: dict[str, torch.Tensor], what: s
                         f"{' ...' if len(bad) > 3 else ''}), so {what} was not saved")
 
 
-def diverged(run: Run, what: str, step: int | None = None) -> TrainingDiverged:
+def diverged(run: RunView, what: str, step: int | None = None) -> TrainingDiverged:
     """The error that stops a diverged run: what went wrong, at which step, and what is left on disk."""
     saved = list_checkpoints(run.output_dir, run.run_id)
     kept = f"the last checkpoint, {saved[-1]}, was saved before" if saved else "no checkpoint was saved"
@@ -578,73 +580,6 @@ def load_weights(model: torch.nn.Module, folder: str | Path, device: Any = "cpu"
         raise CheckpointError(f"checkpoint {folder}: weights do not fit the model: {exc}") from None
 
 
-# ---------------------------------------------------------------------------- best model
-
-
-def best_metric_name(run: Run) -> str | None:
-    """``train.metric_for_best_model`` as an evaluation key (``loss`` -> ``eval_loss``)."""
-    name = run.config.train.metric_for_best_model
-    if name is None:
-        return None
-    return name if name.startswith("eval_") else f"eval_{name}"
-
-
-def metric_value(run: Run, metrics: dict[str, float]) -> float:
-    """The value of ``metric_for_best_model`` in ``metrics``; a clear error when absent."""
-    name = best_metric_name(run)
-    if name not in metrics:
-        raise ConfigError(f"train.metric_for_best_model: {name!r} is not among the evaluation metrics "
-                          f"({', '.join(sorted(metrics))})")
-    value = metrics[name]
-    return float(value) if value is not None else math.nan
-
-
-def improves(run: Run, value: float, reference: float | None, threshold: float = 0.0) -> bool:
-    """Whether ``value`` beats ``reference`` by more than ``threshold`` in the configured direction.
-
-    A non-finite value (a nan evaluation) never improves on anything.
-    """
-    if not math.isfinite(value):
-        return False
-    if reference is None:
-        return True
-    gain = value - reference if run.config.train.greater_is_better else reference - value
-    return gain > threshold
-
-
-def note_evaluation(run: Run, metrics: dict[str, float]) -> None:
-    """Track the best metric (Trainer's rule); the next save at this step becomes the best checkpoint."""
-    if best_metric_name(run) is None:
-        return
-    value = metric_value(run, metrics)
-    state = run.state
-    if not math.isfinite(value):
-        logger.warning("%s is %s at step %d: not a candidate for the best model", best_metric_name(run), value,
-                       state.global_step)
-    elif improves(run, value, state.best_metric):
-        state.best_metric, state.best_global_step = value, state.global_step
-
-
-def _rotate(run: Run) -> None:
-    """Delete this run's oldest checkpoints beyond ``save_total_limit``, never the best one.
-
-    As in Trainer: the best checkpoint is kept in the second-newest slot, so with a limit of 1
-    and a best that is not the newest, two are kept.
-    """
-    limit = run.config.train.save_total_limit
-    if not limit:
-        return
-    ordered = list_checkpoints(run.output_dir, run.run_id)
-    best = run.state.best_model_checkpoint
-    best_path = next((p for p in ordered if str(p) == best), None)
-    if best_path is not None and best_path != ordered[-1]:
-        ordered.remove(best_path)
-        ordered.insert(len(ordered) - 1, best_path)
-        limit = max(limit, 2)
-    for path in ordered[: max(0, len(ordered) - limit)]:
-        delete_folder(path)
-
-
 # ---------------------------------------------------------------------------- save
 
 
@@ -668,8 +603,9 @@ def _check_savable(value: Any, plugin: str, where: str) -> None:
                           "and dicts: convert it (e.g. str() for a path)")
 
 
-def save(run: Run) -> Path:
-    """Write a checkpoint for the current step, rotate old ones; returns its path."""
+def save(run: RunView) -> Path:
+    """Write a checkpoint for the current step; returns its path (on_checkpoint_saved: the best model
+    builtin then rotates old ones)."""
     strategy, state = run.strategy, run.state
     run.hook.on_eval_mode(run=run)
     final = run.output_dir / f"{PREFIX}{state.global_step}"
@@ -677,8 +613,6 @@ def save(run: Run) -> Path:
     plugin_states = run.plugin_manager.per_plugin("checkpoint_state", run=run)
     for plugin, plugin_state in plugin_states.items():
         _check_savable(plugin_state, plugin, "")
-    if state.best_global_step == state.global_step:
-        state.best_model_checkpoint = str(final)
     if strategy.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -709,7 +643,6 @@ def save(run: Run) -> Path:
         if final.exists():
             delete_folder(final)
         os.replace(tmp, final)
-        _rotate(run)
     strategy.barrier()
     if strategy.is_main_process:
         logger.debug("saved %s", final)
@@ -717,7 +650,7 @@ def save(run: Run) -> Path:
     return final
 
 
-def save_final_model(run: Run) -> None:
+def save_final_model(run: RunView) -> None:
     """The trained model (and tokenizer) in ``output_dir``, loadable with ``from_pretrained``.
 
     Written into ``.tmp-final-model`` with its manifest, then moved into ``output_dir`` file by
@@ -749,22 +682,10 @@ def save_final_model(run: Run) -> None:
     run.strategy.barrier()
 
 
-def load_best_model(run: Run) -> None:
-    """Load the best checkpoint's weights into the model (``load_best_model_at_end``)."""
-    best = run.state.best_model_checkpoint
-    if best is None:
-        logger.warning("load_best_model_at_end: no checkpoint was saved after an evaluation; "
-                       "keeping the last weights")
-        return
-    check_model_folder(Path(best), "load_best_model_at_end")
-    run.strategy.load_model_weights(run.model, Path(best))
-    logger.info("loaded the best model from %s (%s = %s)", best, best_metric_name(run), run.state.best_metric)
-
-
 # ---------------------------------------------------------------------------- resume
 
 
-def find_resume_checkpoint(run: Run, folder_run_id: str | None) -> Path | None:
+def find_resume_checkpoint(run: RunView, folder_run_id: str | None) -> Path | None:
     """The checkpoint ``train.resume_from_checkpoint`` names, validated; None to start fresh.
 
     ``true`` takes the newest complete checkpoint of the run recorded in output_dir
@@ -788,8 +709,6 @@ def find_resume_checkpoint(run: Run, folder_run_id: str | None) -> Path | None:
     return path
 
 
-# train.resume_from_checkpoint names a first-party plugin fetches -> that plugin
-CHECKPOINT_SOURCES = {"hub": "hub"}
 # strings that read as a boolean in other formats (YAML, JSON from a shell): here they would be a path
 _BOOLEAN_WORDS = {"true": True, "yes": True, "on": True, "false": False, "no": False, "off": False, "none": False,
                   "null": False}
@@ -828,7 +747,7 @@ def check_resume_spec(config: RunConfig) -> None:
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
-def check_weights_kind(run: Run, folder: Path, key: str) -> None:
+def check_weights_kind(run: RunView, folder: Path, key: str) -> None:
     """Refuse a folder whose weights are not the kind this run loads (an adapter without the plugin that
     loads adapters, a whole model with it), saying which it is and what to change."""
     wanted = run.weights.files(folder)
@@ -846,7 +765,7 @@ def check_weights_kind(run: Run, folder: Path, key: str) -> None:
                               f"train a new adapter on these weights with train.model = '{folder}'")
 
 
-def validate(run: Run, path: Path) -> None:
+def validate(run: RunView, path: Path) -> None:
     """Refuse a folder that is not a complete checkpoint of this run, naming what is wrong."""
     if not path.is_dir():
         raise CheckpointError(f"resume_from_checkpoint: {path} is not a folder")
@@ -992,8 +911,6 @@ def _apply_to_optimizer(optimizer: torch.optim.Optimizer, fresh: list[dict[str, 
 
     Returns a note for each changed optimizer key that this optimizer does not use.
     """
-    from .optim import parse_optim_args
-
     notes = {}
     for key, old, new in changes:
         group_keys = GROUP_KEYS.get(key, ())
@@ -1020,7 +937,7 @@ def _advance(scheduler: Any, steps: int) -> None:
             scheduler.step()
 
 
-def load(run: Run, path: str | Path) -> None:
+def load(run: RunView, path: str | Path) -> None:
     """Restore weights, optimizer, scheduler, RNG, state and plugin states from ``path``.
 
     ``path`` has passed :func:`validate`; the run is set up. Hyper-parameters changed since the

@@ -1,4 +1,4 @@
-"""The ``engine`` command: train, evaluate, plan, plugins, migrate, report.
+"""The ``engine`` command: train, evaluate, plan, plugins; more from plugins (hook register_commands).
 
 Exit status: 0 success; 2 bad input (a missing run file, a TOML syntax error, an unknown
 plugin, optimizer or key, a wrong type, an output_dir in use by another run, a damaged
@@ -9,16 +9,41 @@ An exception raised in an installed plugin's code is one line naming the plugin 
 function; any other exception is a bug of the engine and keeps its traceback.
 Only argparse and the config module load before a command runs, so ``engine --help`` is fast,
 and ``engine train`` refuses an output_dir that another run holds before the heavy imports.
+Other commands and options come from the plugins of the entry-point group ``engine.commands``
+(the engine's tooling: migrate, report, plugins new / --check, --accelerate-config), through the
+hooks ``register_commands``, ``add_run_arguments`` and ``edit_run_config``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from typing import Any
 
 from . import __version__
 from .errors import EngineError
+
+COMMANDS_GROUP = "engine.commands"
+
+
+@functools.cache
+def _command_hooks() -> Any:
+    """The hooks of the command-line plugins: the entry-point group ``engine.commands``, loaded once."""
+    import importlib.metadata
+
+    import pluggy
+
+    from . import hookspecs
+    from .plugins import PROJECT, InstalledPlugin
+
+    manager = pluggy.PluginManager(PROJECT)
+    manager.add_hookspecs(hookspecs)
+    for entry in importlib.metadata.entry_points(group=COMMANDS_GROUP):
+        plugin = InstalledPlugin(entry.name, entry.value, entry.dist.metadata["Name"] if entry.dist else "?",
+                                 entry.dist.version if entry.dist else "?")
+        manager.register(plugin.load(), name=entry.name)
+    return manager.hook
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser, run_file: bool = True) -> None:
@@ -30,9 +55,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser, run_file: bool = True) -
     parser.add_argument("-p", "--plugins", dest="plugin_edits", action="append", default=[], metavar="EDIT",
                         help="'+name,-name' enables/disables plugins; 'a,b' replaces the list (after "
                              "ENGINE_PLUGINS, whose '-name' entries never load)")
-    parser.add_argument("--accelerate-config", metavar="FILE.yaml", help=(
-        "map an Accelerate config file (distributed_type, fsdp_config, deepspeed_config, mixed_precision, "
-        "...) onto the strategy plugins; engine plan shows the mapping"))
+    _command_hooks().add_run_arguments(parser=parser)  # e.g. --accelerate-config
     parser.add_argument("--traceback", action="store_true", help=(
         "on an error, also print its traceback (or set ENGINE_TRACEBACK=1)"))
 
@@ -43,14 +66,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"engine {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train = commands.add_parser("train", help="train a run (default: the embedded tiny run)")
+    train.set_defaults(handler=_train)
     _add_run_arguments(train)
     evaluate = commands.add_parser("evaluate", help=(
         "evaluate a run's model on its eval data: metrics as JSON on stdout and in eval_results.json "
         "of the evaluated folder; a job of its own, it writes nothing to the training run's logs"))
+    evaluate.set_defaults(handler=_evaluate)
     _add_run_arguments(evaluate)
     evaluate.add_argument("--checkpoint", metavar="PATH", help=(
         "load these weights first: a checkpoint-<step> folder or a final model folder"))
     plan = commands.add_parser("plan", help="show the composed run: plugins, hook order, full config")
+    plan.set_defaults(handler=_plan)
     _add_run_arguments(plan)
     plugins = commands.add_parser(
         "plugins", help="list installed plugins, their hooks and names; check a plugin; scaffold a new one",
@@ -59,27 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
               "       engine plugins new NAME [--kind KIND] [--dir FOLDER]")
     plugins.add_argument("words", nargs="*", metavar="RUN.toml | new NAME", help=(
         "a run file (its plugins are marked enabled), or 'new NAME' to write a plugin package engine-NAME/"))
+    plugins.set_defaults(handler=_plugins)
     _add_run_arguments(plugins, run_file=False)
-    plugins.add_argument("--check", metavar="PATH_OR_MODULE", help=(
-        "inspect a plugin (a project folder, a module file or a module name): entry point, import, hooks "
-        "without @hookimpl, hook arguments that do not exist, options schema; exit status 1 on problems"))
-    plugins.add_argument("--kind", choices=("optimizer", "loss", "tracker", "callback"), help=(
-        "with new: the hooks to start from (default: callback)"))
-    plugins.add_argument("--dir", metavar="FOLDER", help="with new: where engine-NAME/ is written (default: here)")
-    migrate = commands.add_parser("migrate", help=(
-        "write a run file from transformers TrainingArguments (a to_json_string() dump); the report of what "
-        "was mapped, and of what has no counterpart, goes to stderr"))
-    migrate.add_argument("arguments", metavar="ARGS.json", help="TrainingArguments.to_json_file() output")
-    migrate.add_argument("-o", "--output", metavar="RUN.toml", help="write the run file here (default: stdout)")
-    migrate.add_argument("--force", action="store_true", help="overwrite an existing -o file")
-    report = commands.add_parser("report", help=(
-        "write report.md, report.html and curves (report-*.png) for a run's output_dir; for several, one "
-        "report comparing them (curves overlaid, differing config keys, final metrics)"))
-    report.add_argument("output_dirs", nargs="+", metavar="OUTPUT_DIR", help="a run's train.output_dir")
-    report.add_argument("--out", metavar="DIR", help=(
-        "where the report goes (default: the output_dir of one run; the current folder for several)"))
-    report.add_argument("--size", default="800x450", metavar="WxH", help="size of each curve in pixels")
-    report.add_argument("--no-plots", action="store_true", help="no curves (report.md and report.html only)")
+    _command_hooks().register_commands(commands=commands)  # e.g. migrate, report, plugins new / --check
     return parser
 
 
@@ -87,11 +95,8 @@ def _raw_config(args: argparse.Namespace) -> dict[str, Any]:
     from .config import default_run_mapping, read_run_file
 
     raw = read_run_file(args.run_file) if args.run_file is not None else default_run_mapping()
-    if getattr(args, "accelerate_config", None):
-        from . import accelerate_config
-
-        raw, mapping = accelerate_config.apply(raw, args.accelerate_config)
-        args.accelerate_mapping = mapping
+    # what the command-line plugins' options changed, (title, lines) each: shown by plan, logged by the others
+    args.config_edits = [edit for edit in _command_hooks().edit_run_config(raw=raw, args=args) if edit]
     return raw
 
 
@@ -103,11 +108,11 @@ def _make_run(args: argparse.Namespace) -> Any:
     except EngineError as exc:
         exc.shown_by_main = True  # every process composes the same run: the main process says it
         raise
-    mapping = getattr(args, "accelerate_mapping", None)
-    if mapping is not None and args.command != "plan":
+    if args.command != "plan":
         import logging
 
-        logging.getLogger("engine").info("accelerate config %s: %s", mapping.source, "; ".join(mapping.lines))
+        for title, lines in args.config_edits:
+            logging.getLogger("engine").info("%s: %s", title, "; ".join(lines))
     return run
 
 
@@ -135,9 +140,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .checkpoint import check_model_folder, check_weights_kind, saved_progress
-    from .data import has_tokenizer, load_tokenizer
     from .errors import CheckpointError
-    from .loop import cast_for_full_eval, evaluate
     from .util import dumps_json, write_json
 
     run = _make_run(args)
@@ -148,17 +151,16 @@ def _evaluate(args: argparse.Namespace) -> int:
             raise CheckpointError(f"--checkpoint: {args.checkpoint} is not a folder")
         check_model_folder(folder, "--checkpoint")
         check_weights_kind(run, folder, "--checkpoint")
-        if run.config.data.tokenizer in ("auto", "train") and has_tokenizer(folder):
-            # the tokenizer those weights were trained with, not one trained again on today's data
-            run.tokenizer = load_tokenizer(str(folder), "--checkpoint")
+        # the tokenizer those weights were trained with (when saved there), not one trained again on today's data
+        run.tokenizer = run.hook.create_tokenizer(run=run, checkpoint=folder)
     run.setup()
     if folder is not None:
         run.strategy.load_model_weights(run.model, folder)
         run.state.global_step, run.state.epoch = saved_progress(folder)
-    cast_for_full_eval(run)
     # a job of its own: no log_metrics (the training run's metrics.jsonl and trackers are not
     # this job's) and no on_evaluate (nothing trains here)
-    metrics = {"step": run.state.global_step, **evaluate(run, report=False)}
+    evaluated = run.hook.evaluate(run=run, dataset=None, prefix="eval", report=False, in_training=False)
+    metrics = {"step": run.state.global_step, **evaluated}
     print(dumps_json(metrics))
     if folder is not None:
         try:
@@ -170,10 +172,8 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     text = _make_run(args).plan()
-    mapping = getattr(args, "accelerate_mapping", None)
-    if mapping is not None:
-        text += f"\n\naccelerate config {mapping.source} (mapped; --set overrides it):\n" + \
-            "\n".join(f"  {line}" for line in mapping.lines)
+    for title, lines in args.config_edits:
+        text += f"\n\n{title} (mapped; --set overrides it):\n" + "\n".join(f"  {line}" for line in lines)
     print(text)
     return 0
 
@@ -181,47 +181,18 @@ def _plan(args: argparse.Namespace) -> int:
 def _plugins(args: argparse.Namespace) -> int:
     from .errors import ConfigError
 
-    words = args.words
-    if words[:1] == ["new"]:
-        if len(words) != 2 or args.check:
-            raise ConfigError("engine plugins new NAME [--kind KIND] [--dir FOLDER]: give one NAME")
-        return _new_plugin(words[1], args.kind or "callback", args.dir or ".")
-    if args.kind or args.dir:
-        raise ConfigError("engine plugins: --kind and --dir go with 'engine plugins new NAME'")
+    words = args.words  # `new NAME` and --check: the tooling's (engine.commands)
     if len(words) > 1:
         raise ConfigError(f"engine plugins: one run file at most, got {' '.join(words)} (to scaffold: "
                           "engine plugins new NAME)")
-    if args.check:
-        return _check_plugin(args.check)
     args.run_file = words[0] if words else None
     return _list_plugins(args)
 
 
-def _new_plugin(name: str, kind: str, parent: str) -> int:
-    from pathlib import Path
-
-    from .authoring import scaffold
-
-    folder = scaffold(name, kind, Path(parent))
-    print(f"wrote {folder}: a {kind} plugin {name!r}. Next:\n"
-          f"  pip install -e '{folder}[test]'\n"
-          f"  pytest {folder}\n"
-          f"  engine plugins --check {folder}\n"
-          f"  engine plan --plugins +{name}")
-    return 0
-
-
-def _check_plugin(spec: str) -> int:
-    from .authoring import check_plugin
-
-    reports = check_plugin(spec)
-    print("\n".join(report.render() for report in reports))
-    return 1 if any(report.problems for report in reports) else 0
-
-
 def _list_plugins(args: argparse.Namespace) -> int:
     from .hookspecs import HOOK_NAMES
-    from .plugins import NO_AUTOLOAD_ENV, autoload_disabled, describe_installed, installed_plugins
+    from .plugins import (NO_AUTOLOAD_ENV, autoload_disabled, builtin_specs, describe_installed, inspect_plugin,
+                          installed_plugins, load_builtin)
 
     run = _make_run(args)
     enabled = set(run.config.plugins)
@@ -232,55 +203,33 @@ def _list_plugins(args: argparse.Namespace) -> int:
                         f"not imported ({NO_AUTOLOAD_ENV} is set)")
             continue
         try:
-            hooks, names, problems = describe_installed(plugin)
-            detail = f"hooks: {', '.join(hooks) or '-'}"
-            if names:
-                detail += "; registers " + "; ".join(f"{kind} {', '.join(v)}" for kind, v in names.items())
-            if problems:
-                detail += "; PROBLEMS: " + "; ".join(problems)
+            detail = _plugin_detail(*describe_installed(plugin))
         except EngineError as exc:
             detail = f"cannot load: {exc}"
         state = "enabled" if plugin.name in enabled else "installed"
         rows.append(f"{plugin.name:<16} {plugin.distribution} {plugin.version:<10} {state:<9}  {detail}")
     print("installed plugins:" if rows else "installed plugins: (none)")
     print("\n".join("  " + row for row in rows))
-    print("builtins (always on, replaced by enabled plugins):")
+    print("builtins (always on unless the run blocks one: plugins = [\"-NAME\"]; enabled plugins replace their names):")
+    for name, spec in builtin_specs().items():
+        state = "blocked" if name in run.plugin_manager.blocked else "on"
+        detail = _plugin_detail(*inspect_plugin(load_builtin(spec), name))
+        print(f"  {name:<16} engine {__version__:<10} {state:<9}  {detail}")
     for kind, registry in run.registries.items():
-        builtin_names = [n for n, e in registry.entries.items() if e.plugin.startswith("builtin.")]
+        builtin_names = [n for n, e in registry.entries.items() if e.builtin]
         print(f"  {kind:<10} {', '.join(sorted(builtin_names))}")
     print(f"hooks: {', '.join(HOOK_NAMES)}")
     return 0
 
 
-def _migrate(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from .errors import ConfigError
-    from .migration import migrate, read_arguments
-
-    output = Path(args.output) if args.output else None
-    if output is not None and output.exists() and not args.force:
-        raise ConfigError(f"-o {output}: the file exists; pass --force to overwrite it")
-    migration = migrate(read_arguments(args.arguments), source=args.arguments)
-    if output is None:
-        sys.stdout.write(migration.toml())
-    else:
-        try:
-            output.write_text(migration.toml(), encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(f"-o {output}: cannot write: {exc.strerror}") from None
-    print(migration.report(), file=sys.stderr)
-    return 0
-
-
-def _report_command(args: argparse.Namespace) -> int:
-    from .report import parse_size, write_report
-
-    size = parse_size(args.size)
-    out = args.out if args.out is not None or len(args.output_dirs) == 1 else "."
-    path = write_report(args.output_dirs, out, size=size, plots=not args.no_plots)
-    print(f"wrote {path} and {path.with_suffix('.html')}")
-    return 0
+def _plugin_detail(hooks: list[str], names: dict[str, list[str]], problems: list[str]) -> str:
+    """One plugin's hooks, the names it registers and its problems, for ``engine plugins``."""
+    detail = f"hooks: {', '.join(hooks) or '-'}"
+    if names:
+        detail += "; registers " + "; ".join(f"{kind} {', '.join(v)}" for kind, v in names.items())
+    if problems:
+        detail += "; PROBLEMS: " + "; ".join(problems)
+    return detail
 
 
 RANK_ERROR_DELAY_S = 2.0
@@ -337,9 +286,13 @@ def _raised_in_plugin(exc: BaseException) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     import os
 
-    args = build_parser().parse_args(_join_plugin_edits(sys.argv[1:] if argv is None else list(argv)))
-    command = {"train": _train, "evaluate": _evaluate, "plan": _plan, "plugins": _plugins,
-               "migrate": _migrate, "report": _report_command}[args.command]
+    try:
+        parser = build_parser()
+    except EngineError as exc:  # a command-line plugin that does not load
+        _report(str(exc))
+        return exc.exit_status
+    args = parser.parse_args(_join_plugin_edits(sys.argv[1:] if argv is None else list(argv)))
+    command = args.handler
     show_traceback = getattr(args, "traceback", False) or \
         os.environ.get("ENGINE_TRACEBACK", "").strip().lower() not in ("", "0", "false", "no", "off")
     try:

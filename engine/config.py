@@ -24,7 +24,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Collection, Literal, Union
 
 import tomllib
 
@@ -503,10 +503,28 @@ def parse_value(text: str) -> Any:
     return value
 
 
-def apply_overrides(raw: dict[str, Any], sets: list[str] = (), plugin_edits: list[str] = ()) -> dict[str, Any]:
+def parse_optim_args(text: str | None) -> dict[str, Any]:
+    """Parse ``train.optim_args`` ("key=value,key=value") into typed values."""
+    if not text:
+        return {}
+    out: dict[str, Any] = {}
+    for item in text.replace(" ", "").split(","):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"train.optim_args: expected 'key=value,key=value', got {text!r} "
+                              f"(bad item {item!r})")
+        out[key] = parse_value(value)
+    return out
+
+
+def apply_overrides(raw: dict[str, Any], sets: list[str] = (), plugin_edits: list[str] = (),
+                    blockable: Collection[str] = ()) -> dict[str, Any]:
     """Apply ``--set a.b=v`` and ``--plugins +x,-y`` (or ``--plugins x,y`` to replace) to ``raw``.
 
-    Returns a new mapping; ``raw`` is not modified.
+    ``-x`` of a ``blockable`` name (a builtin) blocks it (``"-x"`` in the list), ``+x`` lifts the
+    block. Returns a new mapping; ``raw`` is not modified.
     """
     raw = _deep_copy(raw)
     if plugin_edits:
@@ -536,9 +554,14 @@ def apply_overrides(raw: dict[str, Any], sets: list[str] = (), plugin_edits: lis
         current = list(raw.get("plugins", []))
         before = list(current)
         for name in names:
-            if name[0] == "+":
+            if name[0] == "+" and name[1:] in blockable and f"-{name[1:]}" in current:
+                current.remove(f"-{name[1:]}")  # the builtin is on again
+            elif name[0] == "+":
                 if name[1:] not in current:
                     current.append(name[1:])
+            elif name[0] == "-" and name[1:] in blockable:
+                if name not in current:
+                    current.append(name)  # blocks the builtin
             elif name[0] == "-":
                 if name[1:] not in current:
                     raise ConfigError(f"--plugins {name}: {name[1:]!r} is not enabled (enabled: {current})")
@@ -615,6 +638,11 @@ def compose(raw: dict[str, Any], schemas: dict[str, type | None]) -> RunConfig:
     for key, value in raw.items():
         if key in TOP_LEVEL_KEYS or key in CORE_SECTIONS:
             continue
+        if f"-{key}" in plugins:
+            first = next(iter(value), None) if isinstance(value, dict) else None
+            where = f"{key}.{first}" if first else f"[{key}]"
+            raise ConfigError(f"{where}: plugin {key!r} is blocked ('-{key}' in plugins), so its options would do "
+                              "nothing; remove them, or the block")
         if key not in plugins:
             known = ", ".join([*TOP_LEVEL_KEYS, *CORE_SECTIONS, *plugins])
             raise ConfigError(f"{key}: unknown section; not a core section or an enabled plugin "

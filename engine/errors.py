@@ -55,3 +55,14 @@ class TrainingPreempted(EngineError):
     """
 
     exit_status = 143
+
+
+class RestartTraining(Exception):
+    """Raised from a training step to start training again from where it started.
+
+    The loop resets ``run.state`` and ``run.control``, calls ``on_restart`` (each plugin puts its
+    own state back), makes the train loader, optimizer and scheduler again and, when the run
+    resumed, loads that checkpoint again. The builtin ``auto_find_batch_size`` raises it on an
+    out-of-memory error, after choosing a smaller batch. Not an :class:`EngineError`: it never
+    leaves the loop.
+    """

@@ -49,18 +49,29 @@ import pluggy
 if TYPE_CHECKING:  # only for annotations: importing the specs must stay cheap
     import torch
 
-    from .run import Run
-    from .state import StepOutput
+    from .state import PredictionOutput, RunView, StepOutput
 
 hookspec = pluggy.HookspecMarker("engine")
 
 # Hooks the engine calls once per plugin, filing each result under the plugin's name.
-PER_PLUGIN_HOOKS = ("plugin_options", "checkpoint_state", "load_checkpoint_state")
+PER_PLUGIN_HOOKS = ("plugin_options", "checkpoint_state", "load_checkpoint_state", "plan_lines")
 # Hooks the engine calls per plugin in isolation: a plugin whose implementation raises is
 # reported once by name and switched off for these hooks for the rest of the run (training goes
 # on; the end of the run lists it), unless its options section sets ``strict = true``. Trackers
 # and uploads must never end a run.
 ISOLATED_HOOKS = ("log_hyperparams", "log_metrics", "log_samples", "log_finish", "on_checkpoint_saved")
+# Hooks of the engine's tooling, not of a run: the command line's (called on the plugins of the
+# entry-point group ``engine.commands`` while a command line is read) and the mappings that
+# ``engine migrate`` and ``--accelerate-config`` ask of an installed plugin, enabled or not.
+TOOLING_HOOKS = ("register_commands", "add_run_arguments", "edit_run_config", "trainer_argument_mappings",
+                 "accelerate_mappings")
+# Hooks every run needs answered: blocking the builtin that answers one ("-builtin.steps" in
+# ``plugins``) without enabling another plugin that does is refused while the run is composed.
+REQUIRED_HOOKS = ("create_strategy", "create_datasets", "create_optimizer", "create_scheduler", "training_step",
+                  "compute_loss", "checkpoint_weights")
+# firstresult hooks that one enabled plugin at most answers besides the builtin default: two are
+# refused while the run is composed, naming both (neither could silently win).
+SINGLE_ANSWER_HOOKS = ("checkpoint_weights",)
 
 
 def combine_kind(name: str) -> str:
@@ -155,7 +166,28 @@ def register_strategies(register: Callable[..., None]) -> None:
 
 
 @hookspec
-def configure(run: Run) -> None:
+def register_argument_plugins(register: Callable[[str, Any], None], arguments: dict[str, Any]) -> None:
+    """Register the plugin objects that ``Run``'s Trainer-style arguments need.
+
+    **When**: once while the run is composed, before its config is (so before ``configure``).
+    **Combine**: broadcast. ``arguments`` holds what ``Run`` was given: ``callbacks`` (the
+    ``TrainerCallback``s), ``compute_loss_func``, ``optimizers``, ``optimizer_cls_and_kwargs``, and
+    ``optim_named`` (whether the run file names ``train.optim``). ``register(name, plugin)`` adds a
+    plugin object for this run only, so that a run without the argument pays nothing per step; the
+    engine registers them in the order of their names. The builtins callbacks, loss and optimizers
+    answer for the arguments above.
+
+    Example::
+
+        @hookimpl
+        def register_argument_plugins(register, arguments):
+            if arguments["compute_loss_func"] is not None:
+                register("builtin.compute_loss_func", ComputeLossFunc(arguments["compute_loss_func"]))
+    """
+
+
+@hookspec
+def configure(run: RunView) -> None:
     """Validate the composed run and refuse conflicts, before anything heavy loads.
 
     **When**: once, after the config is composed and the registries are filled, before the
@@ -177,7 +209,7 @@ def configure(run: Run) -> None:
 
 
 @hookspec(firstresult=True)
-def create_strategy(run: Run) -> Any:
+def create_strategy(run: RunView) -> Any:
     """Create the distributed strategy for this run.
 
     **When**: once after :func:`configure`, before the model is built (the strategy picks
@@ -187,14 +219,14 @@ def create_strategy(run: Run) -> Any:
 
 
 @hookspec(firstresult=True)
-def create_datasets(run: Run) -> Any:
+def create_datasets(run: RunView) -> Any:
     """Supply the train and eval data: a streaming format, a database, a generator.
 
     **When**: once in ``run.setup()``, after the tokenizer (``run.tokenizer``) and before the
     model is built, unless ``Run(train_dataset=...)`` was given. **Combine**: firstresult. The
     builtin reads ``[data]`` (files, globs, folders, saved datasets, dataset names; tokenized,
-    packed and cached with 🤗 Datasets). Return :class:`engine.data.Datasets` ``(train, eval=None,
-    collator=None)``; a collator of None is the engine's for ``[data]``. The datasets may be torch
+    packed and cached with 🤗 Datasets). Return :class:`engine.Datasets` ``(train, eval=None,
+    collator=None)``; a collator of None: :func:`create_collator` makes one. The datasets may be torch
     datasets (map-style or ``IterableDataset``, which needs ``train.max_steps``) or 🤗
     ``datasets.Dataset`` / ``IterableDataset``: rows with ``input_ids`` are used as is, rows of
     text, ``messages`` or ``prompt``/``completion`` are tokenized and packed per ``[data]``.
@@ -209,8 +241,181 @@ def create_datasets(run: Run) -> Any:
     """
 
 
+# ---------------------------------------------------------------------------- setup: tokenizer, data, model
+
+
+@hookspec(firstresult=True)
+def resolve_task(run: RunView) -> str | None:
+    """Say what the model learns: ``"causal-lm"``, ``"sequence-classification"``, ...
+
+    **When**: the first time ``run.task`` is read (the task builtin's :func:`configure` reads it
+    when ``train.task`` is set or a model was given; else ``run.setup()`` does), then cached.
+    **Combine**: firstresult. The task builtin answers ``train.task``, else what the given model's
+    class or the ``architectures`` of the model config say, else ``"causal-lm"``.
+
+    Example::
+
+        @hookimpl(tryfirst=True)
+        def resolve_task(run):
+            return "causal-lm" if run.config.train.model.startswith("my-lm:") else None
+    """
+
+
 @hookspec
-def patch_model(run: Run, model: torch.nn.Module) -> Callable[[], None] | None:
+def on_build_start(run: RunView) -> None:
+    """Refuse what the configs already show, before the tokenizer, the data or the weights load.
+
+    **When**: once in ``run.setup()``, after the strategy is set up and the seed set (and
+    ``model_init`` called), before :func:`create_tokenizer`. ``run.model`` is the model given (or
+    None); ``run.train_dataset`` the dataset given (or None). **Combine**: broadcast; raise
+    :class:`engine.errors.ConfigError` to refuse. The builtins check the task's keys, ``[data]``'s
+    values and the model's config against ``data.max_length`` (a config-built model runs one
+    forward pass on the meta device).
+
+    Example::
+
+        @hookimpl
+        def on_build_start(run):
+            if run.config.data.max_length > 4096:
+                raise ConfigError("data.max_length: mykernel supports at most 4096 tokens")
+    """
+
+
+@hookspec(firstresult=True)
+def create_tokenizer(run: RunView, checkpoint: Any) -> Any:
+    """Create the tokenizer (a ``transformers`` tokenizer), or None when the run needs none.
+
+    **When**: in ``run.setup()`` after :func:`on_build_start`, unless the run has one
+    (``Run(tokenizer=...)``); also by ``engine evaluate --checkpoint``, with ``checkpoint`` the
+    folder it loads weights from (None otherwise): the tokenizer saved there is the one they were
+    trained with. **Combine**: firstresult. The data builtin loads ``data.tokenizer``, the model
+    folder's, or trains one on ``data.train``; with a ``checkpoint`` it loads that folder's (None
+    when it holds none).
+
+    Example::
+
+        @hookimpl
+        def create_tokenizer(run, checkpoint):
+            return AutoTokenizer.from_pretrained(run.config["mytok"].path)
+    """
+
+
+@hookspec(firstresult=True)
+def prepare_dataset(run: RunView, dataset: Any, key: str) -> Any:
+    """Make ``dataset`` (or a dict of them) examples the model trains on, or return it as it is.
+
+    **When**: in ``run.setup()`` for the train and eval data (after :func:`create_datasets`, or as
+    given to Run), and by :meth:`Run.evaluate` / :meth:`Run.predict` for the dataset they get;
+    ``key`` names it in errors (``"train_dataset"``). Not called for None. **Combine**:
+    firstresult. The data builtin tokenizes and packs 🤗 ``datasets`` rows per ``[data]`` (rows
+    with ``input_ids`` are checked and used as they are) and returns other datasets unchanged.
+
+    Example::
+
+        @hookimpl(tryfirst=True)
+        def prepare_dataset(run, dataset, key):
+            if isinstance(dataset, MyRecords):
+                return dataset.to_torch(run.tokenizer)
+    """
+
+
+@hookspec(firstresult=True)
+def create_model(run: RunView) -> torch.nn.Module | None:
+    """Create the model (with its weights) the run trains.
+
+    **When**: once in ``run.setup()`` after the data, inside the strategy's
+    ``model_init_context()``, unless a model was given (``Run(model=...)`` or ``model_init``).
+    **Combine**: firstresult. The model builtin builds ``train.model`` (a factory, a saved folder
+    through ``from_pretrained`` with the :func:`model_load_kwargs`, a config, a builtin name), for
+    the task, with the class count the data shows, and checks it fits the data.
+
+    Example::
+
+        @hookimpl
+        def create_model(run):
+            return MyModel(vocab_size=len(run.tokenizer))
+    """
+
+
+@hookspec
+def model_load_kwargs(run: RunView) -> dict[str, Any] | None:
+    """Keywords for ``from_pretrained`` when ``train.model`` is a saved model folder.
+
+    **When**: when the model builtin builds ``train.model`` in :func:`create_model` (after
+    :func:`configure`; the keywords go to ``from_pretrained`` where it loads a folder).
+    **Combine**: broadcast; the dicts are merged, and one key from two plugins is refused naming
+    both. The peft plugin answers QLoRA's ``quantization_config``, so the base
+    loads quantized, never at full size first.
+
+    Example::
+
+        @hookimpl
+        def model_load_kwargs(run):
+            return {"attn_implementation": "sdpa"}
+    """
+
+
+@hookspec
+def on_model_built(run: RunView) -> None:
+    """Fit the model to the task and data, and refuse what does not fit, before the collator is made.
+
+    **When**: once in ``run.setup()``, after :func:`create_model` (or with the model given), before
+    :func:`create_collator` and :func:`patch_model`. **Combine**: broadcast; raise
+    :class:`engine.errors.ConfigError` to refuse. The task builtin sets a sequence classifier's
+    pad token id, checks that a model can generate for ``predict_with_generate`` and that class ids
+    are within the model's classes.
+
+    Example::
+
+        @hookimpl
+        def on_model_built(run):
+            if run.model.config.model_type not in SUPPORTED:
+                raise ConfigError(f"mykernel: {run.model.config.model_type} is not supported")
+    """
+
+
+@hookspec(firstresult=True)
+def create_collator(run: RunView) -> Callable[[list[Any]], Any] | None:
+    """Create the collator that makes batches of examples.
+
+    **When**: once in ``run.setup()`` after :func:`on_model_built`, unless the run has one
+    (``Run(data_collator=...)`` or the collator :func:`create_datasets` returned). **Combine**:
+    firstresult. The task builtin answers transformers' padding collator of the task (none for
+    causal-lm); the data builtin, last, the engine's collator for ``[data]``.
+
+    Example::
+
+        @hookimpl
+        def create_collator(run):
+            return MyCollator(run.tokenizer, pad_to_multiple_of=64)
+    """
+
+
+@hookspec
+def on_build_end(run: RunView) -> None:
+    """Last checks that tokenizer, data, model and collator fit together, before the model is patched.
+
+    **When**: once in ``run.setup()``, after :func:`create_collator`, with ``run.label_names`` set;
+    before :func:`patch_model`. **Combine**: broadcast; raise :class:`engine.errors.ConfigError` to
+    refuse. The data builtin enables document packing on the model (``data.packing =
+    "document"``), checks ``train.label_names`` against a collated batch, the tokenizer against the
+    model's vocabulary, rows of token ids against the model's vocabulary and positions, and that a
+    schedule that evaluates has eval data (a data plugin may have supplied none).
+
+    Example::
+
+        @hookimpl
+        def on_build_end(run):
+            if len(run.tokenizer) != run.model.get_input_embeddings().num_embeddings:
+                logger.warning("the embeddings have rows no token uses")
+    """
+
+
+# ---------------------------------------------------------------------------- setup: patching and the optimizer
+
+
+@hookspec
+def patch_model(run: RunView, model: torch.nn.Module) -> Callable[[], None] | None:
     """Patch the freshly built model (kernels, noise, compile, activation checkpointing).
 
     **When**: once, after the model is built and moved to the device, before the strategy
@@ -228,7 +433,7 @@ def patch_model(run: Run, model: torch.nn.Module) -> Callable[[], None] | None:
 
 
 @hookspec(firstresult=True)
-def create_optimizer(run: Run) -> torch.optim.Optimizer | None:
+def create_optimizer(run: RunView) -> torch.optim.Optimizer | None:
     """Create the optimizer.
 
     **When**: once, after :func:`patch_model`, before the strategy prepares model and
@@ -238,7 +443,7 @@ def create_optimizer(run: Run) -> torch.optim.Optimizer | None:
 
 
 @hookspec(firstresult=True)
-def create_scheduler(run: Run, optimizer: torch.optim.Optimizer) -> Any:
+def create_scheduler(run: RunView, optimizer: torch.optim.Optimizer) -> Any:
     """Create the learning-rate scheduler for ``optimizer``.
 
     **When**: once, right after :func:`create_optimizer`; ``run.num_training_steps`` is
@@ -251,7 +456,7 @@ def create_scheduler(run: Run, optimizer: torch.optim.Optimizer) -> Any:
 
 
 @hookspec
-def on_train_start(run: Run) -> None:
+def on_train_start(run: RunView) -> None:
     """Training is about to start (after a resume, if any).
 
     **When**: once, after setup and checkpoint restore, before the first step.
@@ -260,7 +465,7 @@ def on_train_start(run: Run) -> None:
 
 
 @hookspec
-def on_epoch_start(run: Run) -> None:
+def on_epoch_start(run: RunView) -> None:
     """An epoch starts; ``run.state.epoch`` is its index as a float.
 
     **When**: at the start of each epoch. **Combine**: broadcast.
@@ -268,7 +473,7 @@ def on_epoch_start(run: Run) -> None:
 
 
 @hookspec
-def on_train_mode(run: Run) -> None:
+def on_train_mode(run: RunView) -> None:
     """Switch to training mode.
 
     **When**: before the first training step and after every evaluation or checkpoint that
@@ -278,7 +483,7 @@ def on_train_mode(run: Run) -> None:
 
 
 @hookspec
-def on_eval_mode(run: Run) -> None:
+def on_eval_mode(run: RunView) -> None:
     """Switch to evaluation mode.
 
     **When**: before evaluation, before a checkpoint is written (so saved weights are the
@@ -288,7 +493,7 @@ def on_eval_mode(run: Run) -> None:
 
 
 @hookspec(firstresult=True)
-def training_step(run: Run, batches: list[dict[str, Any]], num_items_in_batch: Any) -> StepOutput | None:
+def training_step(run: RunView, batches: list[dict[str, Any]], num_items_in_batch: Any) -> StepOutput | None:
     """Run one optimizer step over ``batches`` (the micro-batches of one accumulation window).
 
     **When**: once per optimizer step, in train mode. ``num_items_in_batch`` is the number
@@ -310,7 +515,7 @@ def training_step(run: Run, batches: list[dict[str, Any]], num_items_in_batch: A
 
 
 @hookspec(firstresult=True)
-def compute_loss(run: Run, model: torch.nn.Module, batch: dict[str, Any], num_items_in_batch: Any) -> torch.Tensor | None:
+def compute_loss(run: RunView, model: torch.nn.Module, batch: dict[str, Any], num_items_in_batch: Any) -> torch.Tensor | None:
     """Compute the loss of one micro-batch.
 
     **When**: by the builtin :func:`training_step` for every micro-batch, and for every
@@ -335,17 +540,20 @@ def compute_loss(run: Run, model: torch.nn.Module, batch: dict[str, Any], num_it
 
 
 @hookspec
-def on_step_end(run: Run) -> None:
+def on_step_end(run: RunView) -> None:
     """An optimizer step finished; ``run.state.global_step`` counts it.
 
     **When**: after every optimizer step and scheduler step, before logging, evaluation and
     saving for that step. **Combine**: broadcast. Set ``run.control.should_stop`` /
-    ``should_save`` / ``should_evaluate`` / ``should_log`` to act after this step.
+    ``should_save`` / ``should_evaluate`` / ``should_log`` to act after this step (the builtin
+    flow, called first, turns on what the logging/eval/save schedule asks for; a plugin may turn
+    on more), or ``run.control.request_abort(error)`` to end the run with ``error`` after this
+    step's save (the builtin SIGTERM checkpoint does).
     """
 
 
 @hookspec
-def on_epoch_end(run: Run) -> None:
+def on_epoch_end(run: RunView) -> None:
     """An epoch finished.
 
     **When**: after the last step of each epoch, before epoch-based evaluation and saving.
@@ -354,7 +562,7 @@ def on_epoch_end(run: Run) -> None:
 
 
 @hookspec
-def on_prediction_step(run: Run, step: int, total: int | None) -> None:
+def on_prediction_step(run: RunView, step: int, total: int | None) -> None:
     """One batch of an evaluation or prediction pass is done.
 
     **When**: after each eval/predict batch's forward, on every process; ``step`` counts this
@@ -371,7 +579,7 @@ def on_prediction_step(run: Run, step: int, total: int | None) -> None:
 
 
 @hookspec
-def on_evaluate(run: Run, metrics: dict[str, float]) -> None:
+def on_evaluate(run: RunView, metrics: dict[str, float]) -> None:
     """Evaluation finished with ``metrics`` (keys prefixed ``eval_``).
 
     **When**: after every evaluation, on every process, after the metrics were logged.
@@ -380,7 +588,7 @@ def on_evaluate(run: Run, metrics: dict[str, float]) -> None:
 
 
 @hookspec
-def on_predict(run: Run, metrics: dict[str, float]) -> None:
+def on_predict(run: RunView, metrics: dict[str, float]) -> None:
     """A prediction pass (:meth:`Run.predict`) finished with ``metrics`` (keys prefixed ``test_``).
 
     **When**: at the end of every :meth:`Run.predict`, on every process. As under Trainer, the
@@ -397,7 +605,7 @@ def on_predict(run: Run, metrics: dict[str, float]) -> None:
 
 
 @hookspec
-def on_train_end(run: Run) -> None:
+def on_train_end(run: RunView) -> None:
     """Training finished (normally or by a stop request).
 
     **When**: once after the last step and the final save, before patches are undone and
@@ -405,11 +613,155 @@ def on_train_end(run: Run) -> None:
     """
 
 
+# ---------------------------------------------------------------------------- restart and the end of training
+
+
+@hookspec
+def on_restart(run: RunView) -> None:
+    """Training starts again from where it started: put this plugin's own state back as it was then.
+
+    **When**: when a training step raised :class:`engine.errors.RestartTraining` (the builtin
+    ``auto_find_batch_size`` does, on an out-of-memory error, with a smaller batch size set), on
+    every process, after ``run.state`` and ``run.control`` were reset to fresh records and the train
+    loader, optimizer and scheduler made again (``run.state.max_steps`` counted again), before a
+    resumed checkpoint is loaded again (which then calls :func:`load_checkpoint_state`).
+    :func:`on_train_start` does not fire again. **Combine**: broadcast. Every plugin with state of
+    its own (counters, a best value, steps seen) resets it here, so the run then equals one started
+    with the new settings; the builtin ``auto_find_batch_size`` puts the weights and RNG back.
+
+    Example::
+
+        @hookimpl
+        def on_restart(run):
+            self.evaluations_without_improvement = 0
+    """
+
+
+@hookspec
+def on_train_summary(run: RunView, metrics: dict[str, float]) -> None:
+    """Add figures to the end-of-training summary (``train_runtime``, ``train_loss``, ...).
+
+    **When**: once after the last step, on every process, before the summary goes to
+    :func:`log_metrics` and is returned by :meth:`Run.train`. **Combine**: broadcast;
+    implementations add keys to ``metrics`` in place. The builtin memory plugin adds
+    ``train_mem_*`` (``train.skip_memory_metrics = false``).
+
+    Example::
+
+        @hookimpl
+        def on_train_summary(run, metrics):
+            metrics["train_batches_dropped"] = self.dropped
+    """
+
+
+@hookspec
+def on_before_final_save(run: RunView) -> None:
+    """Training is over and the model in eval mode: decide the weights the run ends with.
+
+    **When**: once after the summary was logged, before the final model is written
+    (``train.save_final_model``; also when it is off) and before :func:`on_train_end`.
+    **Combine**: broadcast. The builtin best model plugin loads the best checkpoint's weights
+    here (``train.load_best_model_at_end``).
+
+    Example::
+
+        @hookimpl
+        def on_before_final_save(run):
+            average_weights_into(run.model)  # e.g. an EMA of the weights
+    """
+
+
+@hookspec
+def on_train_exit(run: RunView, status: str) -> None:
+    """Training is over, finished or not: release what a plugin took for it.
+
+    **When**: once at the end of :meth:`Run.train`, on every process, also when training raised
+    (``status`` is "success" or "failed", as for :func:`log_finish`), before the patches are
+    undone and :func:`log_finish`. **Combine**: broadcast. The builtins restore the SIGTERM
+    handler and stop the memory watcher here.
+
+    Example::
+
+        @hookimpl
+        def on_train_exit(run, status):
+            self.profiler.stop()
+    """
+
+
+# ---------------------------------------------------------------------------- evaluation and prediction
+
+
+@hookspec(firstresult=True)
+def evaluate(run: RunView, dataset: Any, prefix: str, report: bool, in_training: bool) -> dict[str, float] | None:
+    """Evaluate ``dataset`` and return its metrics (keys prefixed ``prefix + "_"``).
+
+    **When**: at each evaluation the schedule asks for during training (``in_training`` true), by
+    :meth:`Run.evaluate` and by ``engine evaluate`` (``in_training`` false: the model is first cast
+    for ``bf16_full_eval`` / ``fp16_full_eval``, as Trainer does outside training). ``dataset``
+    None means the run's eval data; a dict evaluates each part, prefixed ``{prefix}_{name}``.
+    With ``report`` the metrics go to :func:`log_metrics` and :func:`on_evaluate`; ``engine
+    evaluate``, a job of its own, passes false. **Combine**: firstresult; the builtin
+    (engine/builtin/evaluation.py) runs :func:`on_eval_mode`, then :func:`prediction_step` and
+    :func:`on_prediction_step` per batch, and ``compute_metrics``.
+
+    Example (a plugin that evaluates elsewhere, e.g. on a remote service)::
+
+        @hookimpl(tryfirst=True)
+        def evaluate(run, dataset, prefix, report, in_training):
+            return {f"{prefix}_score": remote_score(run.model)}
+    """
+
+
+@hookspec(firstresult=True)
+def predict(run: RunView, dataset: Any, prefix: str) -> PredictionOutput | None:
+    """Predictions, label ids and metrics over ``dataset``: what :meth:`Run.predict` returns.
+
+    **When**: by :meth:`Run.predict`, after setup. **Combine**: firstresult; the builtin
+    (engine/builtin/evaluation.py) casts for ``bf16_full_eval`` / ``fp16_full_eval``, runs the
+    pass :func:`evaluate` runs and fires :func:`on_predict`; it returns an
+    ``engine.PredictionOutput(predictions, label_ids, metrics)`` of numpy arrays.
+
+    Example::
+
+        @hookimpl(wrapper=True)
+        def predict(run, dataset, prefix):
+            output = yield
+            print(f"{prefix}: {len(output.predictions)} predictions")
+            return output
+    """
+
+
+@hookspec(firstresult=True)
+def prediction_step(run: RunView, model: torch.nn.Module, batch: dict[str, Any], num_items_in_batch: Any,
+                    prediction_loss_only: bool) -> tuple[torch.Tensor, Any, Any] | None:
+    """One evaluation or prediction batch: ``(loss, predictions, labels)``, as Trainer.prediction_step.
+
+    **When**: for every batch of :func:`evaluate` and :func:`predict`, on every process, under
+    ``torch.no_grad``; ``model`` is the strategy's (wrapped) model and ``batch`` is on its device.
+    With ``prediction_loss_only`` only the loss is used (return None for the other two).
+    ``loss`` is :func:`compute_loss`'s for the batch (divided by ``num_items_in_batch``, as
+    there); ``predictions`` (a tensor or a tuple of tensors, one row per example) are what
+    ``compute_metrics`` and :meth:`Run.predict` get; ``labels`` the batch's ``train.label_names``
+    (None without them). Run the forward under ``run.strategy.autocast()``. **Combine**:
+    firstresult. The builtin answers with the logits of the forward :func:`compute_loss` runs
+    (through ``preprocess_logits_for_metrics``); with ``train.predict_with_generate`` the
+    generation builtin answers first with ``generate()``'s token ids.
+
+    Example (predictions as class ids: the metrics see less data)::
+
+        @hookimpl(tryfirst=True)
+        def prediction_step(run, model, batch, num_items_in_batch, prediction_loss_only):
+            with run.strategy.autocast():
+                outputs = model(**batch)  # its loss: the mean over this batch's label tokens
+            return outputs.loss, outputs.logits.argmax(-1), batch["labels"]
+    """
+
+
 # ---------------------------------------------------------------------------- logging
 
 
 @hookspec
-def log_hyperparams(run: Run, params: dict[str, Any]) -> None:
+def log_hyperparams(run: RunView, params: dict[str, Any]) -> None:
     """Record the run's configuration (``params`` is the composed config as plain data).
 
     **When**: once before :func:`on_train_start`, on the main process only.
@@ -418,7 +770,7 @@ def log_hyperparams(run: Run, params: dict[str, Any]) -> None:
 
 
 @hookspec
-def log_metrics(run: Run, metrics: dict[str, float], step: int) -> None:
+def log_metrics(run: RunView, metrics: dict[str, float], step: int) -> None:
     """Record metrics for optimizer step ``step``.
 
     **When**: every ``logging_steps`` steps (loss, learning_rate, grad_norm, tokens_per_second,
@@ -435,7 +787,7 @@ def log_metrics(run: Run, metrics: dict[str, float], step: int) -> None:
 
 
 @hookspec
-def log_samples(run: Run, samples: list[dict[str, Any]], step: int) -> None:
+def log_samples(run: RunView, samples: list[dict[str, Any]], step: int) -> None:
     """Record text the model generated at optimizer step ``step`` (the ``samples`` plugin).
 
     ``samples`` is one row per prompt: ``{"step": int, "prompt": str | list[dict], "completion":
@@ -460,7 +812,7 @@ def log_samples(run: Run, samples: list[dict[str, Any]], step: int) -> None:
 
 
 @hookspec
-def log_finish(run: Run, status: str) -> None:
+def log_finish(run: RunView, status: str) -> None:
     """The run is over: flush and close trackers. ``status`` is "success" or "failed".
 
     **When**: once at the very end, also when training raised (a diverged run, a failed save,
@@ -473,7 +825,7 @@ def log_finish(run: Run, status: str) -> None:
 
 
 @hookspec
-def checkpoint_state(run: Run) -> dict[str, Any] | None:
+def checkpoint_state(run: RunView) -> dict[str, Any] | None:
     """Return this plugin's state to store in a checkpoint.
 
     **When**: each time a checkpoint is written. **Combine**: per plugin: the returned
@@ -484,7 +836,7 @@ def checkpoint_state(run: Run) -> dict[str, Any] | None:
 
 
 @hookspec
-def load_checkpoint_state(run: Run, state: dict[str, Any]) -> None:
+def load_checkpoint_state(run: RunView, state: dict[str, Any]) -> None:
     """Restore this plugin's state from a checkpoint on resume.
 
     **When**: once, when resuming, after model, optimizer and scheduler are restored.
@@ -494,7 +846,7 @@ def load_checkpoint_state(run: Run, state: dict[str, Any]) -> None:
 
 
 @hookspec
-def on_checkpoint_saved(run: Run, path: str) -> None:
+def on_checkpoint_saved(run: RunView, path: str) -> None:
     """A complete checkpoint now exists at ``path``.
 
     **When**: after the checkpoint folder was written and renamed into place, on the main
@@ -504,7 +856,7 @@ def on_checkpoint_saved(run: Run, path: str) -> None:
 
 
 @hookspec(firstresult=True)
-def locate_checkpoint(run: Run, spec: str) -> str | None:
+def locate_checkpoint(run: RunView, spec: str) -> str | None:
     """Turn ``train.resume_from_checkpoint = spec`` (a string) into a local checkpoint folder.
 
     **When**: once, while the main process claims ``output_dir`` (before anything loads), when
@@ -525,5 +877,175 @@ def locate_checkpoint(run: Run, spec: str) -> str | None:
     """
 
 
-# Every hook, in the order of this module (the order the reference and `engine plan` use).
-HOOK_NAMES = tuple(name for name, value in list(globals().items()) if hasattr(value, "engine_spec"))
+# ---------------------------------------------------------------------------- what plugins tell the engine
+# Answers that were attributes of ``run`` once (two plugins setting one silently overwrote each
+# other, and ``engine plan`` could not say who answers).
+
+
+@hookspec(firstresult=True)
+def checkpoint_weights(run: RunView) -> Any:
+    """Return the :class:`engine.ModelWeights` that says which weights checkpoints and the final
+    model hold, in which files, and how they load back.
+
+    **When**: once, right after ``configure``; the run keeps the answer as ``run.weights``
+    (``engine evaluate --checkpoint`` and resume checks read it before the model is built; a
+    plugin may fill in its answer later, e.g. in ``patch_model``). **Combine**: firstresult; at
+    most one enabled plugin may answer (two are refused while the run is composed, naming both).
+    The builtin ``builtin.weights`` answers last with ``engine.ModelWeights()``: every weight of
+    the model, in ``save_pretrained``'s layout. peft answers with its adapter's weights;
+    ``engine plan`` names the plugin that answers.
+
+    Example::
+
+        @hookimpl
+        def checkpoint_weights(run):
+            return AdapterWeights(merge=run.config.section("myadapter").merge)
+    """
+
+
+@hookspec
+def plan_lines(run: RunView) -> list[str] | None:
+    """Return lines that ``engine plan`` shows about what this plugin will do in the run.
+
+    **When**: when ``engine plan`` (or ``Run.plan()``) renders the composed run, after
+    ``configure``; nothing is built yet. **Combine**: per plugin: each plugin's lines are
+    printed under its name (``  peft: LORA adapter on 4 modules: ...``); None or [] shows nothing.
+
+    Example::
+
+        @hookimpl
+        def plan_lines(run):
+            return [f"noise alpha {run.config.section('neftune').noise_alpha} on the embeddings"]
+    """
+
+
+# ---------------------------------------------------------------------------- the run file and the command line
+
+
+@hookspec
+def check_raw_config(raw: dict[str, Any]) -> None:
+    """Refuse what the run mapping holds, in your own words, before the sections are validated.
+
+    **When**: once while the run is composed, after ``--set`` and ``--plugins`` were applied and
+    before the sections are checked against their schemas (``plugin_options``), so before any
+    "unknown key" error. ``raw`` is the run mapping (``{"plugins": [...], "train": {...}, ...}``),
+    not validated: any value may have any type; do not change it. **Combine**: broadcast; raise
+    :class:`engine.errors.ConfigError` to refuse the run. The builtin ``trainer_args`` refuses a
+    ``[train]`` key that is a ``TrainingArguments`` field but no ``[train]`` key, saying where it goes.
+
+    Example::
+
+        @hookimpl
+        def check_raw_config(raw):
+            if "lr" in raw.get("train", {}):
+                raise ConfigError("train.lr: write train.learning_rate")
+    """
+
+
+@hookspec
+def register_commands(commands: Any) -> None:
+    """Add commands to the ``engine`` command line (simonw/llm's ``register_commands``).
+
+    **When**: once per ``engine`` command line, while its parser is built, after the core's
+    commands (train, evaluate, plan, plugins). Only plugins of the entry-point group
+    ``engine.commands`` are asked (they load for every command line; a run's plugins do not)::
+
+        [project.entry-points."engine.commands"]
+        mytool = "engine_mytool.commands"
+
+    **Combine**: broadcast. ``commands`` is the parser's ``argparse`` sub-parsers action:
+    ``commands.add_parser(name, help=...)`` adds a command, whose ``set_defaults(handler=f)``
+    names the function that runs it: ``f(args)`` returns the exit status; an
+    :class:`engine.errors.EngineError` it raises is the one-line error. ``commands.choices[name]``
+    is an existing command's parser. The engine's tooling adds ``migrate`` and ``report``, and
+    ``new`` / ``--check`` to ``engine plugins``.
+
+    Example::
+
+        @hookimpl
+        def register_commands(commands):
+            hello = commands.add_parser("hello", help="say hello")
+            hello.add_argument("name")
+            hello.set_defaults(handler=lambda args: print(f"hello {args.name}") or 0)
+    """
+
+
+@hookspec
+def add_run_arguments(parser: Any) -> None:
+    """Add options to the commands that compose a run (train, evaluate, plan, plugins).
+
+    **When**: while the command line's parser is built, once per such command, on the plugins
+    of the entry-point group ``engine.commands`` (see :func:`register_commands`).
+    **Combine**: broadcast; ``parser`` is the command's ``argparse`` parser. What the options
+    change, :func:`edit_run_config` does. The engine's tooling adds ``--accelerate-config``.
+
+    Example::
+
+        @hookimpl
+        def add_run_arguments(parser):
+            parser.add_argument("--team-defaults", metavar="FILE.toml")
+    """
+
+
+@hookspec
+def edit_run_config(raw: dict[str, Any], args: Any) -> tuple[str, list[str]] | None:
+    """Change the run mapping from the options :func:`add_run_arguments` added.
+
+    **When**: once per command that composes a run, after the run file (or the embedded default
+    run) was read and before ``--set`` and ``--plugins`` apply, so they override what this adds.
+    **Combine**: broadcast; change ``raw`` (the run mapping) in place and return
+    ``(title, lines)`` to show what was changed (``engine plan`` prints the lines under the
+    title after the plan, ``engine train`` logs them), or None. Raise
+    :class:`engine.errors.ConfigError` for an option's value that cannot be used.
+
+    Example::
+
+        @hookimpl
+        def edit_run_config(raw, args):
+            if args.team_defaults:
+                raw.setdefault("train", {}).setdefault("seed", 1234)
+                return f"team defaults {args.team_defaults}", ["train.seed = 1234"]
+    """
+
+
+@hookspec
+def trainer_argument_mappings() -> dict[str, Any] | None:
+    """Answer ``transformers.TrainingArguments`` fields that this plugin provides, for ``engine migrate``.
+
+    **When**: when ``engine migrate`` converts such a field (and when a run's ``[train]`` names it,
+    to say where it goes), on the installed plugin that the catalogue of first-party plugins
+    names for it, whether or not a run enables it. **Combine**: broadcast, asked of that one
+    plugin: ``{field name: engine.kit.mappings.Answer}``; the answer's converter writes the
+    plugin's own keys (see :mod:`engine.kit.mappings`), so the engine's table names none of them.
+
+    Example::
+
+        @hookimpl
+        def trainer_argument_mappings():
+            return {"deepspeed": plugin("deepspeed", "config", convert=convert_deepspeed)}
+    """
+
+
+@hookspec
+def accelerate_mappings() -> dict[str, Any] | None:
+    """Map keys of an Accelerate config file onto this plugin, for ``--accelerate-config``.
+
+    **When**: while ``--accelerate-config`` is read, on the installed plugin that the catalogue of
+    first-party plugins names for such a key (``fsdp_config``: fsdp), whether or not the run enables
+    it yet. **Combine**: broadcast, asked of that one plugin: ``{Accelerate key: handler(mapping,
+    key, value, enabled)}``, where ``enabled`` is the strategy plugin the file's
+    ``distributed_type`` enables; ``engine.kit.mappings.nested`` makes the handler of a table of
+    settings.
+
+    Example::
+
+        @hookimpl
+        def accelerate_mappings():
+            return {"fsdp_config": nested("fsdp", "FSDP", "an FSDP setting", FSDP_CONFIG)}
+    """
+
+
+# Every hook of a run, in the order of this module (the order the reference and `engine plan` use).
+HOOK_NAMES = tuple(name for name, value in list(globals().items())
+                   if hasattr(value, "engine_spec") and name not in TOOLING_HOOKS)
+SPEC_NAMES = (*HOOK_NAMES, *TOOLING_HOOKS)  # every hook a plugin may implement: a run's and the command line's

@@ -1,7 +1,8 @@
 """Metrics for ``train.compute_metrics`` (``"engine.metrics:accuracy"``), one per task.
 
-Each takes what Trainer's ``compute_metrics`` takes, an ``EvalPrediction`` of numpy arrays
-(predictions, label_ids), and returns a dict of floats; labels of -100 are not counted.
+Each takes what Trainer's ``compute_metrics`` takes, an :class:`EvalPrediction` of numpy arrays
+(predictions, label_ids; also ``engine.EvalPrediction``), and returns a dict of floats; labels of
+-100 are not counted.
 """
 
 from __future__ import annotations
@@ -9,6 +10,24 @@ from __future__ import annotations
 from typing import Any
 
 IGNORE_INDEX = -100
+
+
+class EvalPrediction(tuple):
+    """``(predictions, label_ids)`` as numpy arrays, like transformers.EvalPrediction; then ``inputs`` and
+    ``losses`` when train.include_for_metrics asks for them."""
+
+    def __new__(cls, predictions: Any, label_ids: Any, inputs: Any = None, losses: Any = None):
+        prediction = super().__new__(cls, (predictions, label_ids, *(v for v in (inputs, losses) if v is not None)))
+        prediction.inputs, prediction.losses = inputs, losses
+        return prediction
+
+    @property
+    def predictions(self) -> Any:
+        return self[0]
+
+    @property
+    def label_ids(self) -> Any:
+        return self[1]
 
 
 def accuracy(prediction: Any) -> dict[str, float]:

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from .config import parse_value
+from .config import parse_optim_args  # noqa: F401 (also a public name of this kit)
 from .errors import ConfigError
 from .util import require
 
@@ -41,22 +41,6 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
         {"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},
         {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
     ]
-
-
-def parse_optim_args(text: str | None) -> dict[str, Any]:
-    """Parse ``train.optim_args`` ("key=value,key=value") into typed values."""
-    if not text:
-        return {}
-    out: dict[str, Any] = {}
-    for item in text.replace(" ", "").split(","):
-        if not item:
-            continue
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"train.optim_args: expected 'key=value,key=value', got {text!r} "
-                              f"(bad item {item!r})")
-        out[key] = parse_value(value)
-    return out
 
 
 @dataclass(frozen=True)

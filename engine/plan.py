@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from . import __version__
 from .config import DataConfig, TrainConfig, to_toml
 from .hookspecs import HOOK_NAMES, combine_kind
-from .plugins import BUILTIN_PREFIX, NO_AUTOLOAD_ENV, PLUGINS_ENV, autoload_disabled
+from .plugins import NO_AUTOLOAD_ENV, PLUGINS_ENV, autoload_disabled
+from .state import RunView
+from .strategy import strategy_name
 
-if TYPE_CHECKING:
-    from .run import Run
 
-def _origin(run: Run, name: str) -> str:
+def _origin(run: RunView, name: str) -> str:
     """Where a plugin's code comes from, and what named it."""
     pm = run.plugin_manager
-    if name.startswith(BUILTIN_PREFIX):
+    if pm.is_builtin(name):
         return f"engine {__version__}, builtin"
     named = f"named by {pm.origins[name]}" if name in pm.origins else ""
     installed = pm.installed.get(name)
@@ -25,21 +24,31 @@ def _origin(run: Run, name: str) -> str:
     return f"{installed.distribution} {installed.version}, entry point {installed.value}; {named}"
 
 
-def _help_comments(run: Run) -> dict[str, dict[str, str]]:
+def _help_comments(run: RunView) -> dict[str, dict[str, str]]:
     sections = {"train": TrainConfig, "data": DataConfig}
     sections.update({name: type(options) for name, options in run.config.sections.items()})
     return {section: {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
             for section, cls in sections.items()}
 
 
-def render_plan(run: Run) -> str:
-    from .builtin.strategies import strategy_name
-
+def _answering(run: RunView, hook_name: str) -> str:
+    """The plugin whose answer a firstresult hook takes (asked again, in call order)."""
     pm = run.plugin_manager
-    lines = [f"engine {__version__}: composed run", "", "plugins (enabled first, in call order):"]
-    builtins = [name for name, _ in pm.pm.list_name_plugin() if name.startswith(BUILTIN_PREFIX)]
-    for name in [*run.config.plugins, *builtins]:
-        lines.append(f"  {name:<24} {_origin(run, name)}")
+    return next(name for name in pm.call_order(hook_name) if pm.call_plugin(hook_name, name, run=run) is not None)
+
+
+def render_plan(run: RunView) -> str:
+    pm = run.plugin_manager
+    lines = [f"engine {__version__}: composed run", "", "plugins (enabled first, in call order; the hooks each answers):"]
+    hooks: dict[str, list[str]] = {}
+    for hook_name in HOOK_NAMES:
+        for name in pm.call_order(hook_name):
+            hooks.setdefault(name, []).append(hook_name)
+    builtins = [name for name, _ in pm.pm.list_name_plugin() if pm.is_builtin(name)]
+    for name in [*pm.enabled, *builtins]:
+        lines.append(f"  {name:<24} {_origin(run, name)}; hooks: {', '.join(hooks.get(name, [])) or '-'}")
+    if pm.blocked:
+        lines.append(f"  blocked by the run: {', '.join(pm.blocked)}")
     if pm.excluded:
         lines.append(f"  excluded by {PLUGINS_ENV}: {', '.join(pm.excluded)}")
     if autoload_disabled():
@@ -61,8 +70,14 @@ def render_plan(run: Run) -> str:
         lines.append(f"  {kind:<10} selected {entry.name!r} from {entry.plugin}; "
                      f"available: {', '.join(registry.names())}")
 
-    if run.plan_notes:
-        lines += ["", "plugin notes:", *(f"  {note}" for note in run.plan_notes)]
+    lines += ["", f"checkpoint weights: {type(run.weights).__name__} from {_answering(run, 'checkpoint_weights')} "
+                  "(checkpoint_weights: what checkpoints and the final model hold)"]
+
+    notes = pm.per_plugin("plan_lines", run=run)
+    notes["run.plan_notes"] = run.plan_notes  # set in configure before the hook existed (deprecated)
+    if any(notes.values()):
+        lines += ["", "plugin notes:", *(f"  {name}: {line}" for name, plugin_lines in notes.items()
+                                         for line in plugin_lines)]
 
     lines += ["", "config (defaults filled in):", ""]
     lines.append(to_toml(run.config.to_mapping(), _help_comments(run)))

@@ -4,7 +4,10 @@
   nothing.
 * :class:`PluginManager` loads the builtins plus ONLY the plugins a run enables. Enabled
   plugins are called before the builtins, in list order; a plugin that fails to import, names
-  an unknown hook or a wrong argument is a :class:`~engine.errors.PluginError`.
+  an unknown hook or a wrong argument is a :class:`~engine.errors.PluginError` (builtins pass
+  the same checks). A builtin is known by where it was registered from (the entry-point group
+  ``engine.builtins``, or registered by a builtin), never by its name; ``"-name"`` in a run's ``plugins`` blocks one
+  (``plugins = ["-builtin.console"]``), refused where it leaves a hook every run needs unanswered.
 * :class:`Registry` maps names (optimizers, schedulers, strategies) to factories; duplicates
   name both plugins, unknown names list what is installed and the pip extra that provides it.
 * Selection controls, read from the environment like pytest's ``PYTEST_PLUGINS`` /
@@ -19,12 +22,8 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import importlib.metadata
-import importlib.util
 import inspect
 import logging
-import os
-import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -34,28 +33,14 @@ from pluggy._hooks import varnames as pluggy_varnames
 from . import hookspecs
 from .catalogue import FIRST_PARTY, UNSUPPORTED_OPTIMIZERS, provider_of
 from .errors import ConfigError, PluginError
-from .util import describe_exception, is_missing
+from .util import describe_exception
 
 logger = logging.getLogger("engine")
 
-ENTRY_POINT_GROUP = "engine.plugins"
-PLUGINS_ENV = "ENGINE_PLUGINS"
-NO_AUTOLOAD_ENV = "ENGINE_DISABLE_PLUGIN_AUTOLOAD"
-PROJECT = "engine"  # pluggy's project name: markers set the attribute "engine_impl"
-BUILTIN_PREFIX = "builtin."
-# "module" registers the module; "module:Class" registers a fresh instance per run.
-BUILTIN_PLUGINS = (
-    "engine.builtin.data",
-    "engine.builtin.loss",
-    "engine.builtin.optimizers",
-    "engine.builtin.schedulers",
-    "engine.builtin.strategies",
-    "engine.builtin.steps",
-    "engine.builtin.patches",
-    "engine.builtin.console:Console",
-    "engine.builtin.jsonl:JsonlLogger",
-    "engine.builtin.report:Report",
+from .discovery import (  # noqa: F401 (their public home is here too)
+    ENTRY_POINT_GROUP, PLUGINS_ENV, NO_AUTOLOAD_ENV, PROJECT, BUILTIN_PREFIX, BUILTINS_GROUP, builtin_specs, load_builtin, InstalledPlugin, installed_plugins, autoload_disabled, EnvironmentPlugins, check_required_plugins, unknown_plugin_message,
 )
+
 
 # Registry kinds: (register hook, config key that selects a name, noun in messages)
 REGISTRIES = {
@@ -63,173 +48,6 @@ REGISTRIES = {
     "scheduler": ("register_schedulers", "train.lr_scheduler_type"),
     "strategy": ("register_strategies", "train.strategy"),
 }
-
-
-@dataclass(frozen=True)
-class InstalledPlugin:
-    """An entry point in group ``engine.plugins``: metadata only, nothing imported."""
-
-    name: str
-    value: str
-    distribution: str
-    version: str
-
-    def load(self) -> Any:
-        """Import the plugin; any failure is a PluginError naming it and the real cause."""
-        module_name, _, attr = self.value.partition(":")
-        where = f"plugin {self.name!r} ({self.distribution})"
-        try:
-            target = importlib.import_module(module_name)
-        except ImportError as exc:
-            if is_missing(exc, module_name) and exc.name and not module_name.startswith(exc.name):
-                missing = exc.name
-                raise PluginError(f"{where} failed to import: missing module {missing!r} ({exc}); install it, "
-                                  f"e.g. pip install {missing.split('.')[0]}") from exc
-            raise PluginError(f"{where} failed to import: {describe_exception(exc)}") from exc
-        except Exception as exc:  # its own code raised while importing
-            raise PluginError(f"{where} failed to import: {describe_exception(exc)}") from exc
-        for part in filter(None, attr.split(".")):
-            try:
-                target = getattr(target, part)
-            except AttributeError:
-                raise PluginError(f"{where}: its entry point {self.value!r} names {part!r}, which {module_name} "
-                                  "does not define") from None
-        if not isinstance(target, type):
-            return target
-        try:  # a class is instantiated: each run gets its own plugin state (counters, handles)
-            return target()
-        except Exception as exc:
-            raise PluginError(f"{where}: {target.__name__}() raised {describe_exception(exc)}") from exc
-
-
-def installed_plugins() -> dict[str, InstalledPlugin]:
-    """All plugins installed in this environment, by name (reads metadata only)."""
-    found: dict[str, InstalledPlugin] = {}
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        dist = ep.dist
-        found[ep.name] = InstalledPlugin(
-            name=ep.name,
-            value=ep.value,
-            distribution=dist.metadata["Name"] if dist else "?",
-            version=dist.version if dist else "?",
-        )
-    return dict(sorted(found.items()))
-
-
-def autoload_disabled() -> bool:
-    """``ENGINE_DISABLE_PLUGIN_AUTOLOAD`` is set (to anything but 0/false/no): import no installed
-    plugin that the run does not name, not even to list it or to look for a name's provider."""
-    return os.environ.get(NO_AUTOLOAD_ENV, "").strip().lower() not in ("", "0", "false", "no")
-
-
-_PLUGIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
-
-
-@dataclass(frozen=True)
-class EnvironmentPlugins:
-    """``ENGINE_PLUGINS``: comma-separated names enabled in every run (after the run's own, as
-    ``--plugins +name`` would), and ``-name`` for a plugin that must not load in this environment.
-
-    An excluded plugin named by a run is left out with its options section and one log line (a
-    CI job or a shared machine decides what may load; the run still trains). Plugin objects
-    passed to ``Run(plugins=...)`` are code the caller hands over, not entry points: they are not
-    excluded.
-    """
-
-    added: tuple[str, ...] = ()
-    excluded: tuple[str, ...] = ()
-
-    @classmethod
-    def read(cls) -> EnvironmentPlugins:
-        added, excluded = [], []
-        for item in filter(None, (part.strip() for part in os.environ.get(PLUGINS_ENV, "").split(","))):
-            name = item[1:] if item[0] in "+-" else item
-            if not _PLUGIN_NAME.fullmatch(name):
-                raise ConfigError(f"{PLUGINS_ENV}: {item!r} is not a plugin name; expected comma-separated names, "
-                                  f"'-name' to keep one from loading (e.g. {PLUGINS_ENV}=tensorboard,-wandb)")
-            (excluded if item[0] == "-" else added).append(name)
-        both = sorted(set(added) & set(excluded))
-        if both:
-            raise ConfigError(f"{PLUGINS_ENV}: {', '.join(both)} both added and excluded; keep one")
-        return cls(tuple(dict.fromkeys(added)), tuple(dict.fromkeys(excluded)))
-
-    def edits(self) -> list[str]:
-        """The additions as a ``--plugins`` edit, applied before the command line's own."""
-        return [",".join(f"+{name}" for name in self.added)] if self.added else []
-
-    def exclude(self, raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-        """``raw`` without the excluded plugins and their sections, and the names it left out."""
-        named = [name for name in raw.get("plugins", []) if name in self.excluded]
-        kept = {key: value for key, value in raw.items() if key not in named}
-        if named:
-            kept["plugins"] = [name for name in raw["plugins"] if name not in self.excluded]
-        return kept, named
-
-
-def check_required_plugins(requirements: list[str], installed: dict[str, InstalledPlugin]) -> None:
-    """Refuse a run whose ``required_plugins`` are not installed at a matching version.
-
-    Each entry is a requirement string (``"galore"``, ``"galore>=0.2,<1"``, ``"engine>=0.1"``,
-    environment markers allowed) naming a plugin by its entry-point name or distribution name, or
-    ``engine`` for the core. Nothing is imported: versions come from the distributions' metadata.
-    """
-    from packaging.requirements import InvalidRequirement, Requirement
-    from packaging.utils import canonicalize_name
-
-    from . import __version__
-
-    by_name = {canonicalize_name(plugin.name): plugin for plugin in installed.values()}
-    by_name.update({canonicalize_name(plugin.distribution): plugin for plugin in installed.values()})
-    for index, text in enumerate(requirements):
-        key = f"required_plugins[{index}]"
-        try:
-            requirement = Requirement(text)
-        except InvalidRequirement as exc:
-            raise ConfigError(f"{key}: {text!r} is not a requirement ({exc}); write e.g. 'galore' or "
-                              "'galore>=0.2,<1'") from None
-        if requirement.extras or requirement.url:
-            raise ConfigError(f"{key}: {text!r}: name a plugin and versions only (no extras or URLs)")
-        if requirement.marker is not None and not requirement.marker.evaluate():
-            continue  # e.g. "liger; sys_platform == 'linux'" on another platform
-        name = canonicalize_name(requirement.name)
-        if name == "engine":
-            what, version, upgrade = "engine", __version__, "pip install -U engine"
-        else:
-            plugin = by_name.get(name)
-            if plugin is None:
-                info = FIRST_PARTY.get(requirement.name)
-                how = f"it comes from {info.distribution}: {info.install}" if info else \
-                    f"install the distribution that provides it (pip install {requirement.name!r})"
-                raise ConfigError(f"{key}: {text!r}: plugin {requirement.name!r} is not installed; {how}; installed "
-                                  f"plugins: {', '.join(sorted(installed)) or '(none)'}")
-            what, version = plugin.distribution, plugin.version
-            info = FIRST_PARTY.get(plugin.name)
-            upgrade = f"pip install -U 'engine[{info.extra}]'" if info else f"pip install -U {plugin.distribution!r}"
-        if requirement.specifier and not requirement.specifier.contains(version, prereleases=True):
-            raise ConfigError(f"{key}: the run needs {text!r}, but {what} {version} is installed; "
-                              f"{upgrade}, or change required_plugins")
-
-
-def unknown_plugin_message(name: str, installed: Iterable[str]) -> str:
-    installed = sorted(installed)
-    parts = [f"unknown plugin {name!r}"]
-    module = f"engine_{name.replace('-', '_')}"
-    if name.startswith(BUILTIN_PREFIX):
-        parts.append("builtins are always on and are not named in plugins or --plugins")
-    elif name in FIRST_PARTY:
-        info = FIRST_PARTY[name]
-        parts.append(f"it comes from {info.distribution}: {info.install}")
-    elif module.isidentifier() and importlib.util.find_spec(module) is not None:
-        parts.append(f"module {module!r} is importable but no entry point {name!r} is installed in group "
-                     f"{ENTRY_POINT_GROUP!r}: add [project.entry-points.\"{ENTRY_POINT_GROUP}\"] {name} = "
-                     f"\"{module}\" to its pyproject.toml and reinstall it (pip install -e .)")
-    else:
-        close = difflib.get_close_matches(name, [*installed, *FIRST_PARTY], n=1)
-        if close:
-            parts.append(f"did you mean {close[0]!r}?")
-    parts.append(f"installed plugins: {', '.join(installed) or '(none)'} (plugins are the entry points of "
-                 f"group {ENTRY_POINT_GROUP!r} of installed distributions)")
-    return "; ".join(parts)
 
 
 class IsolatedHooks:
@@ -281,7 +99,7 @@ def plugin_problems(plugin: Any, name: str) -> list[str]:
     """
     problems = []
     markers = pluggy.PluginManager(PROJECT)  # reads markers the way registration will
-    for attribute in hookspecs.HOOK_NAMES:
+    for attribute in hookspecs.SPEC_NAMES:
         raw = inspect.getattr_static(plugin, attribute, None)  # no property or descriptor runs
         function = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
         if not callable(function) or isinstance(function, type):
@@ -311,6 +129,7 @@ class RegistryEntry:
     factory: Callable[..., Any]
     plugin: str
     takes_target_modules: bool = False  # optimizers: uses train.optim_target_modules
+    builtin: bool = False  # registered by a builtin: replaced by an enabled plugin's entry of the same name
 
 
 class Registry:
@@ -321,7 +140,7 @@ class Registry:
         self.config_key = REGISTRIES[kind][1]
         self.entries: dict[str, RegistryEntry] = {}
 
-    def callback(self, plugin: str) -> Callable[..., None]:
+    def callback(self, plugin: str, builtin: bool = False) -> Callable[..., None]:
         """The ``register(name, factory)`` function handed to ``plugin``'s register hook."""
 
         def register(name: str, factory: Callable[..., Any], *, takes_target_modules: bool = False) -> None:
@@ -329,12 +148,12 @@ class Registry:
                 raise PluginError(f"plugin {plugin!r}: register(name: str, factory: callable) "
                                   f"got ({name!r}, {factory!r})")
             current = self.entries.get(name)
-            if current is not None and not current.plugin.startswith(BUILTIN_PREFIX):
-                if not plugin.startswith(BUILTIN_PREFIX):
+            if current is not None and not current.builtin:
+                if not builtin:
                     raise PluginError(f"{self.kind} {name!r} is registered by both plugin "
                                       f"{current.plugin!r} and plugin {plugin!r}; disable one")
                 return  # a builtin never replaces an enabled plugin's entry
-            self.entries[name] = RegistryEntry(name, factory, plugin, takes_target_modules)
+            self.entries[name] = RegistryEntry(name, factory, plugin, takes_target_modules, builtin)
 
         return register
 
@@ -389,28 +208,31 @@ class Registry:
 class PluginManager:
     """The builtins plus the enabled plugins, registered with pluggy, and their registries.
 
-    ``enabled`` names entry points; ``objects`` maps names to plugin objects passed in from
-    Python (the API's ``plugins=`` argument, test recorders). Both are called before the
-    builtins, in order. ``origins`` says what named each one (for ``engine plan``), ``excluded``
-    what ``ENGINE_PLUGINS`` kept out; ``required`` (a run's ``required_plugins``) is checked
-    against the installed versions before anything loads.
+    ``enabled`` names entry points (``"-name"`` blocks a builtin or an installed plugin: it does not
+    load); ``objects`` maps names to plugin objects passed in from Python (the API's ``plugins=``
+    argument, test recorders). Both are called before the builtins, in order. ``origins`` says what
+    named each one (for ``engine plan``), ``excluded`` what ``ENGINE_PLUGINS`` kept out;
+    ``required`` (a run's ``required_plugins``) is checked against the installed versions before
+    anything loads. ``builtins`` holds the names of the builtins registered, ``blocked`` the names
+    the run blocks.
     """
 
     def __init__(self, enabled: Iterable[str] = (), objects: dict[str, Any] | None = None, *,
                  origins: dict[str, str] | None = None, excluded: Iterable[str] = (), required: Iterable[str] = ()):
-        self.enabled = list(enabled)
+        self.blocked = [name[1:] for name in enabled if name.startswith("-")]
+        self.enabled = [name for name in enabled if not name.startswith("-")]
         self.objects = dict(objects or {})
         self.origins = dict(origins or {})
         self.excluded = list(excluded)
         self.installed = installed_plugins()
         check_required_plugins(list(required), self.installed)
+        self._check_blocks()
         self.pm = pluggy.PluginManager(PROJECT)
         self.pm.add_hookspecs(hookspecs)
-        for spec in BUILTIN_PLUGINS:
-            module_name, _, class_name = spec.partition(":")
-            module = importlib.import_module(module_name)
-            plugin = getattr(module, class_name)() if class_name else module
-            self._register(plugin, BUILTIN_PREFIX + module_name.rsplit(".", 1)[1])
+        self.builtins: set[str] = set()
+        for name, spec in builtin_specs().items():
+            if name not in self.blocked:
+                self._register(load_builtin(spec), name, builtin=True)
         loaded = {}
         for name in self.enabled:
             if name in self.objects:
@@ -423,6 +245,7 @@ class PluginManager:
         for name in reversed(order):  # pluggy calls the last registered first
             self._register(plugins[name], name)
         self._check_pending()
+        self._check_answers()
         for name in self.objects:
             if not self.pm.get_hookcallers(self.objects[name]):
                 raise PluginError(f"plugin {name!r}: a {type(self.objects[name]).__qualname__} object has no "
@@ -433,14 +256,66 @@ class PluginManager:
 
     # ------------------------------------------------------------------ registration
 
-    def _register(self, plugin: Any, name: str) -> None:
-        problems = [] if name.startswith(BUILTIN_PREFIX) else plugin_problems(plugin, name)
+    def _register(self, plugin: Any, name: str, builtin: bool = False) -> None:
+        problems = plugin_problems(plugin, name)
         if problems:
             raise PluginError(problems[0])
         try:
             self.pm.register(plugin, name=name)
         except pluggy.PluginValidationError as exc:
             raise PluginError(f"plugin {name!r}: {exc}") from None
+        if builtin:
+            self.builtins.add(name)
+
+    def add_argument_plugins(self, arguments: dict[str, Any]) -> None:
+        """Register the plugin objects that ``Run``'s Trainer-style arguments need (``register_argument_plugins``),
+        in the order of their names; one a builtin registers is a builtin."""
+        wanted: dict[str, tuple[Any, bool]] = {}
+        for impl in reversed(self.pm.hook.register_argument_plugins.get_hookimpls()):
+            builtin = impl.plugin_name in self.builtins
+
+            def register(name: str, plugin: Any, builtin: bool = builtin) -> None:
+                wanted[name] = (plugin, builtin)
+
+            self._call_impl(impl, {"register": register, "arguments": arguments})
+        for name in sorted(wanted):
+            plugin, builtin = wanted[name]
+            self._register(plugin, name, builtin)
+
+    def is_builtin(self, name: str) -> bool:
+        """``name`` is a plugin registered as a builtin (from ``engine.builtins``, or by a builtin)."""
+        return name in self.builtins
+
+    def plugins_answering(self, hook_name: str) -> list[str]:
+        """The plugins other than the builtins that implement ``hook_name`` (wrappers aside), in call order."""
+        return [impl.plugin_name for impl in reversed(getattr(self.pm.hook, hook_name).get_hookimpls())
+                if impl.plugin_name not in self.builtins and not (impl.wrapper or impl.hookwrapper)]
+
+    def _check_blocks(self) -> None:
+        """Each ``-name`` names a builtin or an installed plugin that the run does not also enable."""
+        for name in self.blocked:
+            if name in self.enabled or name in self.objects:
+                raise ConfigError(f"plugins: {name!r} is both enabled and blocked ('-{name}'); keep one")
+            if name not in builtin_specs() and name not in self.installed:
+                raise PluginError(unknown_plugin_message(name, self.installed))
+
+    def _check_answers(self) -> None:
+        """The hooks every run needs answered have an answer (a blocked builtin may have been the only one),
+        and a single-answer hook has at most one enabled plugin answering it."""
+        for hook_name in hookspecs.REQUIRED_HOOKS:
+            impls = getattr(self.pm.hook, hook_name).get_hookimpls()
+            if any(not (impl.wrapper or impl.hookwrapper) for impl in impls):
+                continue
+            blocks = [name for name in self.blocked if name in builtin_specs() and
+                      self.pm.parse_hookimpl_opts(load_builtin(builtin_specs()[name]), hook_name) is not None]
+            raise ConfigError(f"plugins: {', '.join(repr('-' + name) for name in blocks) or 'the run'} leaves no "
+                              f"plugin answering {hook_name}, which every run needs; remove the block or enable a "
+                              f"plugin that implements {hook_name}")
+        for hook_name in hookspecs.SINGLE_ANSWER_HOOKS:
+            answering = self.plugins_answering(hook_name)
+            if len(answering) > 1:
+                raise PluginError(f"plugins {answering[0]!r} and {answering[1]!r} both answer {hook_name}, which "
+                                  "takes one answer; enable one of them")
 
     def _check_pending(self) -> None:
         known = list(self.pm.hook.__dict__)
@@ -458,9 +333,10 @@ class PluginManager:
         hook_name = REGISTRIES[kind][0]
         # call order (the run's plugin order), builtins first so that enabled plugins replace their names
         impls = sorted(reversed(getattr(self.pm.hook, hook_name).get_hookimpls()),
-                       key=lambda impl: not impl.plugin_name.startswith(BUILTIN_PREFIX))
+                       key=lambda impl: impl.plugin_name not in self.builtins)
         for impl in impls:
-            self._call_impl(impl, {"register": registry.callback(impl.plugin_name)})
+            builtin = impl.plugin_name in self.builtins
+            self._call_impl(impl, {"register": registry.callback(impl.plugin_name, builtin)})
         return registry
 
     # ------------------------------------------------------------------ calling
@@ -496,7 +372,7 @@ class PluginManager:
     def option_schemas(self) -> dict[str, type | None]:
         schemas: dict[str, type | None] = {name: None for name in self.enabled}
         for plugin, schema in self.per_plugin("plugin_options").items():
-            if not plugin.startswith(BUILTIN_PREFIX):
+            if plugin not in self.builtins:
                 schemas[plugin] = schema
         return schemas
 
@@ -523,8 +399,8 @@ def inspect_plugin(target: Any, name: str) -> tuple[list[str], dict[str, list[st
     hooks = sorted(impl_hook for impl_hook, caller in vars(pm.hook).items()
                    if any(impl.plugin_name == name for impl in caller.get_hookimpls()))
     for hook_name in hooks:
-        if hook_name not in hookspecs.HOOK_NAMES:
-            close = difflib.get_close_matches(hook_name, hookspecs.HOOK_NAMES, n=1)
+        if hook_name not in hookspecs.SPEC_NAMES:
+            close = difflib.get_close_matches(hook_name, hookspecs.SPEC_NAMES, n=1)
             problems.append(f"unknown hook {hook_name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
     names: dict[str, list[str]] = {}
     for kind, (hook_name, _) in REGISTRIES.items():
@@ -536,7 +412,7 @@ def inspect_plugin(target: Any, name: str) -> tuple[list[str], dict[str, list[st
                 problems.append(f"{hook_name} raised {describe_exception(exc)}")
         if registry.entries:
             names[kind] = registry.names()
-    return [h for h in hooks if h in hookspecs.HOOK_NAMES], names, problems
+    return [h for h in hooks if h in hookspecs.SPEC_NAMES], names, problems
 
 
 def plugins_registering(kind: str, name: str, skip: Iterable[str] = ()) -> list[InstalledPlugin]:

@@ -11,20 +11,22 @@ from __future__ import annotations
 import logging
 import math
 import random
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from . import config as cfg
-from .checkpoint import ModelWeights, check_resume_spec
+from .catalogue import ADAPTER_PLUGIN
+from .checkpoint import check_resume_spec
 from .errors import ConfigError
+from .loaders import example_lengths, forward_columns, without_unused_columns
 from .logs import quiet_known_noise, setup_logging
-from .plugins import PLUGINS_ENV, EnvironmentPlugins, IsolatedHooks, PluginManager
+from .plugins import PLUGINS_ENV, EnvironmentPlugins, IsolatedHooks, PluginManager, builtin_specs
 from .rundir import env_rank
-from .state import Control, EpochSampler, PredictionOutput, TrainState
-from .trainer_args import check_train_keys
-from .util import is_peft_model
+from .state import Control, Datasets, EpochSampler, PredictionOutput, TrainState
+from .util import is_callback, is_peft_model
 
 logger = logging.getLogger("engine")
 
@@ -41,8 +43,6 @@ def set_seed(seed: int) -> None:
 
 def _plugin_objects(plugins: Any) -> tuple[dict[str, Any], list[Any]]:
     """The plugin objects by name, and the TrainerCallbacks among ``plugins`` (run by their adapter)."""
-    from .builtin.callbacks import is_callback
-
     if plugins is None:
         return {}, []
     items = plugins.items() if isinstance(plugins, dict) else [
@@ -99,7 +99,8 @@ class Run:
             raw = dict(config or {})
         environment = EnvironmentPlugins.read()
         in_config = cfg.enabled_plugins(raw)
-        raw, left_out = environment.exclude(cfg.apply_overrides(raw, overrides, [*environment.edits(), *plugin_edits]))
+        raw, left_out = environment.exclude(cfg.apply_overrides(raw, overrides, [*environment.edits(), *plugin_edits],
+                                                                     builtin_specs()))
         objects, given_callbacks = _plugin_objects(plugins)
         enabled = cfg.enabled_plugins(raw)
         raw["plugins"] = enabled + [name for name in objects if name not in enabled]
@@ -111,17 +112,14 @@ class Run:
             origins[ADAPTER_PLUGIN] = "Run(model=<a peft model>)"
         self.plugin_manager = PluginManager(raw["plugins"], objects, origins=origins, excluded=environment.excluded,
                                             required=cfg.required_plugins(raw))
-        _register_trainer_arguments(self.plugin_manager, [*(callbacks or ()), *given_callbacks], compute_loss_func)
-        if optimizers is not None or optimizer_cls_and_kwargs is not None:
-            from .builtin.optimizers import GIVEN, GivenOptimizer
-
-            optim_named = "optim" in (raw.get("train") or {})
-            self.plugin_manager.pm.register(GivenOptimizer(optimizers, optimizer_cls_and_kwargs, optim_named),
-                                            name=GIVEN)
+        self.plugin_manager.add_argument_plugins({
+            "callbacks": [*(callbacks or ()), *given_callbacks], "compute_loss_func": compute_loss_func,
+            "optimizers": optimizers, "optimizer_cls_and_kwargs": optimizer_cls_and_kwargs,
+            "optim_named": "optim" in (raw.get("train") or {})})
         self.hook = self.plugin_manager.hook
         self.isolated_hooks = IsolatedHooks(self)  # the logging hooks and on_checkpoint_saved
         self.registries = self.plugin_manager.registries
-        check_train_keys(raw.get("train"))
+        self.hook.check_raw_config(raw=raw)  # e.g. a TrainingArguments name in [train]: where it goes
         self.config = cfg.compose(raw, self.plugin_manager.option_schemas())
         _resolve_defaults(self.config.train)
         _check_values(self.config.train)
@@ -156,36 +154,26 @@ class Run:
         self.label_shift = False
         self.label_names: list[str] = []  # the batch keys evaluation returns as label_ids
         self.undo_patches: list[Callable[[], None]] = []
-        # which weights checkpoints and the final model hold (a plugin may narrow it in configure)
-        self.weights = ModelWeights()
-        # from_pretrained keywords for a train.model folder, set by plugins in configure
-        # (peft's quantization_config: the base loads quantized, never at full size first)
-        self.model_load_kwargs: dict[str, Any] = {}
-        # lines a plugin adds in configure for `engine plan` (what it will do to the model)
-        self.plan_notes: list[str] = []
         self.run_id: str | None = None  # set when training claims output_dir (engine.rundir)
         self.is_setup = False
         self._task: str | None = None
-        self._model_given = model is not None
-        if self.config.train.task or model is not None:  # else the model's config says it, read in setup
-            from .tasks import configure
-
-            configure(self.config.train, self.task)
+        # attributes plugins set in configure before 0.2, now hooks; honoured with a warning for one release
+        self.weights: Any = None  # -> checkpoint_weights
+        self.model_load_kwargs: dict[str, Any] = {}  # -> model_load_kwargs
+        self.plan_notes: list[str] = []  # -> plan_lines
         self.hook.configure(run=self)
+        answered = self.hook.checkpoint_weights(run=self)  # which weights checkpoints and the final model hold
+        _warn_set_attributes(self)
+        self.weights = self.weights if self.weights is not None else answered
 
     # ------------------------------------------------------------------ setup
 
     @property
     def task(self) -> str:
-        """What the model learns (engine/tasks.py): ``train.task``, else what the given model or the
-        model config's ``architectures`` say, else ``"causal-lm"``."""
+        """What the model learns, as the ``resolve_task`` hook says (the task builtin: ``train.task``, else
+        what the given model or the model config's ``architectures`` say, else ``"causal-lm"``)."""
         if self._task is None:
-            from .models import model_config
-            from .tasks import resolve_task
-
-            train = self.config.train
-            config = model_config(train) if self.model is None and not train.task else None
-            self._task = resolve_task(train, self.model, config)
+            self._task = self.hook.resolve_task(run=self)
         return self._task
 
     @property
@@ -200,84 +188,43 @@ class Run:
             setup_logging(self.config.train, self.strategy.rank, self.strategy.local_rank)
 
     def setup(self) -> None:
-        """Build everything the loop needs, through the hooks. Idempotent."""
+        """Build everything the loop needs, as a sequence of hook calls (engine/hookspecs.py). Idempotent."""
         if self.is_setup:
             return
-        from . import data as data_mod
-        from . import tasks
         from .loss import shifts_labels
-        from .models import build_model, check_model, input_limits
 
-        train, data = self.config.train, self.config.data
+        train = self.config.train
         self.setup_strategy()
         set_seed(train.seed)
         _set_determinism(train)
         if self.model is None and self.model_init is not None:
             self.model = _call_model_init(self.model_init)
-        task = self.task
-        tasks.configure(train, task)
-        max_length = data_mod.tokenized_max_length(data, self.train_dataset, task)  # None: rows of token ids
-        if self.model is None:
-            check_model(train, max_length, task)  # its config, before the tokenizer, data and weights load
-        else:
-            self._check_model("model", max_length)
-        given = self.train_dataset
-        if given is None or data_mod.is_datasets_object(given):
-            data_mod.show_progress(not train.disable_tqdm)
-        if self.tokenizer is None and (given is None or self.model is None or
-                                       data_mod.needs_tokenizer(given, data, task)):
-            rows = given if data_mod.is_datasets_object(given) else None
-            with data_mod.named_rows(data.train if given is None else None, "data.train", data):  # rows learnt from
-                self.tokenizer = data_mod.build_tokenizer(data, train.model, rows, task)
-        label2id = tasks.label_ids_by_name(train)
-        if given is None:
-            data_mod.check_config(data)
-            built = self.hook.create_datasets(run=self)
-            if not isinstance(built, data_mod.Datasets):
-                raise ConfigError(f"create_datasets returned a {type(built).__name__}, expected engine.data.Datasets")
-            self.train_dataset = data_mod.prepare_given(built.train, data, self.tokenizer, "train dataset", task,
-                                                        label2id)
-            self.eval_dataset = self.eval_dataset if self.eval_dataset is not None else built.eval
-            self.data_collator = self.data_collator or built.collator
-        else:
-            self.train_dataset = data_mod.prepare_given(given, data, self.tokenizer, "train_dataset", task, label2id)
-        self.eval_dataset = data_mod.prepare_given(self.eval_dataset, data, self.tokenizer, "eval_dataset", task,
-                                                   label2id)
+        self.hook.on_build_start(run=self)  # refusals the configs show, before the tokenizer, data or weights load
+        if self.tokenizer is None:
+            self.tokenizer = self.hook.create_tokenizer(run=self, checkpoint=None)
+        self._build_datasets()
         if self.compute_metrics is None and train.compute_metrics:
             from .util import load_callable
 
             self.compute_metrics = load_callable(train.compute_metrics, "train.compute_metrics")
             self.compute_metrics_key = "train.compute_metrics"
         if self.model is None:
-            labels = tasks.label_settings(train, task, tasks.label_names(self.train_dataset, task),
-                                          self.train_dataset)
             with self.strategy.model_init_context():
-                self.model = build_model(train, self.tokenizer, labels, self.model_load_kwargs)
-            self._check_model("train.model", max_length)
-        self._check_task_data(task)
+                self.model = self.hook.create_model(run=self)
+        self.hook.on_model_built(run=self)
         model_config = getattr(self.model, "config", None)
         if model_config is not None and hasattr(model_config, "use_cache"):  # as Trainer sets it
             model_config.use_cache = train.use_cache
         if self.data_collator is None:
-            self.data_collator = tasks.collator(task, self.tokenizer, self.model) or \
-                data_mod.collator_for(data, self.tokenizer)
-        if data.packing == "document":
-            data_mod.enable_document_packing(self.model)
+            self.data_collator = self.hook.create_collator(run=self)
         self.label_shift = shifts_labels(self.model)
         if train.label_names is not None:
             self.label_names = list(train.label_names)
-            self._check_label_names()
         else:  # Trainer's default; a module without label arguments: 'labels', which the engine's loss reads
             from transformers.utils import find_labels
 
             self.label_names = find_labels(type(self.model)) or ["labels"]
-        vocab_size = getattr(getattr(self.model, "config", None), "vocab_size", None)
-        if vocab_size is not None and self.tokenizer is not None and len(self.tokenizer) > vocab_size:
-            raise ConfigError(f"the tokenizer has {len(self.tokenizer)} tokens but the model's vocab_size is "
-                              f"{vocab_size}; set data.tokenizer to the model's tokenizer or pass tokenizer=")
-        limits = input_limits(self.model)  # rows of token ids given, or made by a data plugin, fit the model
-        data_mod.check_examples(self.train_dataset, task, "train_dataset", limits)
-        data_mod.check_examples(self.eval_dataset, task, "eval_dataset", limits)
+        self.hook.on_build_end(run=self)  # tokenizer, data, model and collator fit together
 
         self.undo_patches = [undo for undo in self.hook.patch_model(run=self, model=self.model) if undo]
         try:
@@ -306,59 +253,24 @@ class Run:
         while self.undo_patches:
             self.undo_patches.pop()()
 
-    def _check_task_data(self, task: str) -> None:
-        """Class ids within the model's classes; a model that can generate for predict_with_generate; a
-        sequence classifier's pad token id."""
-        from . import tasks
-        from .models import fill_pad_token_id
-
-        fill_pad_token_id(self.model, self.tokenizer, task)
-        if self.config.train.predict_with_generate:
-            tasks.check_can_generate(self.model, "the model given" if self._model_given else "train.model")
-            tasks.generation(self.config.train, self.model)  # its settings refused now, not at the first evaluation
-        num_labels = getattr(getattr(self.model, "config", None), "num_labels", None)
-        if task not in tasks.CLASSIFICATION or not isinstance(num_labels, int):
-            return
-        tasks.check_labels(self.train_dataset, num_labels, "data.train")
-        evaluation = self.eval_dataset if isinstance(self.eval_dataset, dict) else {None: self.eval_dataset}
-        for name, dataset in evaluation.items():
-            tasks.check_labels(dataset, num_labels, "data.eval" if name is None else f"eval_dataset[{name!r}]")
-
-    def _check_label_names(self) -> None:
-        """``train.label_names`` are keys of the batches evaluation sees (one example collated to find out)."""
-        evaluation = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"eval": self.eval_dataset}
-        dataset = next((d for d in evaluation.values() if d is not None), self.train_dataset)
-        if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__"):
-            return  # a stream: its first batch is not read ahead
-        dataset, collator = self.loader_data(dataset, "eval dataset")
-        if len(dataset) == 0:
-            return
-        example = dataset[0]
-        keys = collator([example]) if collator is not None else example
-        if not hasattr(keys, "keys"):
-            return  # not a mapping: the model takes no keyword batch
-        missing = [name for name in self.label_names if name not in keys]
-        if missing:
-            raise ConfigError(f"train.label_names: {', '.join(map(repr, missing))} is not a key of the batches, "
-                              f"which hold {', '.join(map(repr, keys))}; name the label keys, or leave "
-                              "train.label_names unset (the model's label arguments)")
-
-    def _check_model(self, key: str, max_length: int | None) -> None:
-        """The model fits the data (positions of data.max_length, None for rows of token ids) and, with the
-        default loss, takes ``model(**batch)``."""
-        from .models import check_forward, check_positions
-
-        config = getattr(self.model, "config", None)
-        if config is not None:
-            check_positions(config, max_length, "the model")
-        if self.uses_builtin_loss:
-            check_forward(self.model, key)
+    def _build_datasets(self) -> None:
+        """The train and eval data: as given to Run, else from ``create_datasets``; made examples by
+        ``prepare_dataset``."""
+        if self.train_dataset is None:
+            built = self.hook.create_datasets(run=self)
+            if not isinstance(built, Datasets):
+                raise ConfigError(f"create_datasets returned a {type(built).__name__}, expected engine.Datasets")
+            self.train_dataset = self._prepared(built.train, "train dataset")
+            self.eval_dataset = self.eval_dataset if self.eval_dataset is not None else built.eval
+            self.data_collator = self.data_collator or built.collator
+        else:
+            self.train_dataset = self._prepared(self.train_dataset, "train_dataset")
+        self.eval_dataset = self._prepared(self.eval_dataset, "eval_dataset")
 
     @property
     def uses_builtin_loss(self) -> bool:
         """No enabled plugin answers ``compute_loss`` (wrappers around the builtin aside)."""
-        return all(impl.plugin_name.startswith("builtin.") or impl.wrapper or impl.hookwrapper
-                   for impl in self.hook.compute_loss.get_hookimpls())
+        return not self.plugin_manager.plugins_answering("compute_loss")
 
     def _train_loader(self) -> torch.utils.data.DataLoader:
         train = self.config.train
@@ -370,8 +282,6 @@ class Run:
                 logger.warning("train.train_sampling_strategy = 'group_by_length': the train dataset is an "
                                "IterableDataset, so its examples are not grouped by length (as Trainer)")
             else:  # the lengths are read before remove_unused_columns drops a length column
-                from .data import example_lengths
-
                 input_name = (getattr(self.tokenizer, "model_input_names", None) or ["input_ids"])[0]
                 lengths = example_lengths(dataset, train.length_column_name, input_name)
         dataset, collator = self.loader_data(dataset, "train dataset")
@@ -406,8 +316,6 @@ class Run:
         does not take left out (``train.remove_unused_columns``, as Trainer)."""
         if not self.config.train.remove_unused_columns:
             return dataset, self.data_collator
-        from .data import forward_columns, without_unused_columns
-
         return without_unused_columns(dataset, self.data_collator, forward_columns(self.model, self.label_names),
                                       self.model, key)
 
@@ -457,47 +365,27 @@ class Run:
 
     def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Evaluate on ``eval_dataset`` (default: the run's eval data) and return the metrics."""
-        from .loop import cast_for_full_eval, evaluate
-
         self.setup()
-        cast_for_full_eval(self)
-        return evaluate(self, self._prepared(eval_dataset, "eval_dataset"), metric_key_prefix)
+        return self.hook.evaluate(run=self, dataset=self._prepared(eval_dataset, "eval_dataset"),
+                                  prefix=metric_key_prefix, report=True, in_training=False)
 
     def predict(self, dataset: Any, metric_key_prefix: str = "test") -> PredictionOutput:
         """Predictions (logits), label ids and metrics over ``dataset``, like ``Trainer.predict``."""
-        from .loop import cast_for_full_eval, predict
-
         self.setup()
-        cast_for_full_eval(self)
-        return predict(self, self._prepared(dataset, "dataset"), metric_key_prefix)
+        return self.hook.predict(run=self, dataset=self._prepared(dataset, "dataset"), prefix=metric_key_prefix)
 
     def _prepared(self, dataset: Any, key: str) -> Any:
-        """Rows of a datasets object tokenized as the run's data is (others as they are)."""
-        from .data import prepare_given
-        from .tasks import label_ids_by_name
-
+        """``dataset`` made examples as the run's data is (``prepare_dataset``; as it is where none answers)."""
         if dataset is None:
             return None
-        return prepare_given(dataset, self.config.data, self.tokenizer, key, self.task,
-                             label_ids_by_name(self.config.train))
+        prepared = self.hook.prepare_dataset(run=self, dataset=dataset, key=key)
+        return dataset if prepared is None else prepared
 
     def plan(self) -> str:
         """The composed run as text: plugins, hook call order, the full config."""
         from .plan import render_plan
 
         return render_plan(self)
-
-
-def _register_trainer_arguments(plugin_manager: PluginManager, callbacks: list[Any], compute_loss_func: Any) -> None:
-    """The builtins that only some runs need, registered only then (no cost per step otherwise)."""
-    if callbacks:
-        from .builtin.callbacks import PLUGIN, TrainerCallbacks
-
-        plugin_manager.pm.register(TrainerCallbacks(callbacks), name=PLUGIN)
-    if compute_loss_func is not None:
-        from .builtin.loss import PLUGIN_LOSS_FUNC, ComputeLossFunc
-
-        plugin_manager.pm.register(ComputeLossFunc(compute_loss_func), name=PLUGIN_LOSS_FUNC)
 
 
 def _call_model_init(model_init: Callable[..., Any]) -> torch.nn.Module:
@@ -529,7 +417,12 @@ def _set_determinism(train: cfg.TrainConfig) -> None:
         torch.backends.cudnn.allow_tf32 = train.tf32
 
 
-ADAPTER_PLUGIN = "peft"
+def _warn_set_attributes(run: Run) -> None:
+    hooks = {"weights": "checkpoint_weights", "model_load_kwargs": "model_load_kwargs", "plan_notes": "plan_lines"}
+    for attribute, hook in hooks.items():
+        if getattr(run, attribute):
+            warnings.warn(f"a plugin set run.{attribute} in configure: answer the {hook} hook instead (engine/hookspecs.py); "
+                          "the attribute is honoured until the next release", DeprecationWarning, stacklevel=2)
 
 
 def _resolve_defaults(train: cfg.TrainConfig) -> None:
@@ -578,10 +471,6 @@ def _check_values(train: cfg.TrainConfig) -> None:
         raise ConfigError(f"train.include_for_metrics: {', '.join(map(repr, unknown))} is not one of 'inputs', 'loss'")
     if train.bf16_full_eval and train.fp16_full_eval:
         raise ConfigError("train.bf16_full_eval and train.fp16_full_eval are both true; pick one")
-    if isinstance(train.generation_config, dict):
-        from .tasks import check_generation_values
-
-        check_generation_values(train.generation_config, "train.generation_config")
     for key in ("dataloader_persistent_workers", "dataloader_prefetch_factor"):
         if getattr(train, key) not in (None, False) and train.dataloader_num_workers == 0:
             raise ConfigError(f"train.{key} needs worker processes: set train.dataloader_num_workers > 0")

@@ -36,7 +36,7 @@ from .layout import FINAL_MARKER, LOCK, MARKER, METRICS, MODEL_FILES, RECORD, RU
 from .util import dumps_json, write_json
 
 if TYPE_CHECKING:
-    from .run import Run
+    from .state import RunView
 
 logger = logging.getLogger("engine")
 
@@ -195,14 +195,14 @@ def new_run_id() -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
 
 
-def config_fingerprint(run: Run) -> str:
+def config_fingerprint(run: RunView) -> str:
     """A hash of the composed config, without the keys that only say how to start."""
     mapping = run.config.to_mapping()
     mapping["train"] = {k: v for k, v in mapping["train"].items() if k not in START_KEYS}
     return "sha256:" + hashlib.sha256(dumps_json(mapping, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def versions(run: Run) -> dict[str, Any]:
+def versions(run: RunView) -> dict[str, Any]:
     from importlib.metadata import PackageNotFoundError, version
 
     found: dict[str, Any] = {"engine": __version__, "python": sys.version.split()[0]}
@@ -312,7 +312,7 @@ class Claim:
     lock: OutputDirLock | None  # None on the other processes of a distributed run
     record: dict[str, Any] | None = None
 
-    def start(self, run: Run) -> None:
+    def start(self, run: RunView) -> None:
         """Write the run record (main process), once setup has succeeded: the run now owns the folder."""
         if self.lock is None:
             return
@@ -343,7 +343,7 @@ class Claim:
             self.lock.release()
 
 
-def claim(run: Run) -> Claim:
+def claim(run: RunView) -> Claim:
     """Lock ``output_dir`` and decide what this run is: fresh, or continuing a checkpoint's run.
 
     Runs before anything loads. A checkpoint to resume is validated here (see
@@ -369,7 +369,7 @@ def claim(run: Run) -> Claim:
     return claimed
 
 
-def _claim_as_main(run: Run) -> Claim:
+def _claim_as_main(run: RunView) -> Claim:
     from .checkpoint import find_resume_checkpoint, remove_partial
 
     output_dir = run.output_dir

@@ -25,7 +25,7 @@ import torch
 from .errors import ConfigError
 
 if TYPE_CHECKING:
-    from .run import Run
+    from .state import RunView
 
 
 class Strategy:
@@ -41,7 +41,7 @@ class Strategy:
     # other's checkpoints ("torch": full weights in the HF layout and torch's optimizer.pt)
     checkpoint_format = "torch"
 
-    def __init__(self, run: Run):
+    def __init__(self, run: RunView):
         self.run = run
         train = run.config.train
         use_cuda = torch.cuda.is_available() and not train.use_cpu
@@ -166,7 +166,7 @@ class Strategy:
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         optimizer.load_state_dict(state)
 
-    def save_checkpoint_files(self, run: Run, folder: Path, what: str) -> None:
+    def save_checkpoint_files(self, run: RunView, folder: Path, what: str) -> None:
         """Write the model's weights and the optimizer state into checkpoint ``folder``.
 
         Called on every process (gathering sharded state is collective). Non-finite weights are
@@ -219,7 +219,7 @@ class DistributedStrategy(Strategy):
 
     name = "distributed"
 
-    def __init__(self, run: Run, timeout_s: float = 1800.0):
+    def __init__(self, run: RunView, timeout_s: float = 1800.0):
         from .rundir import env_rank
 
         self.world_size = env_rank("WORLD_SIZE") if "WORLD_SIZE" in os.environ else 1
@@ -280,16 +280,14 @@ class DistributedStrategy(Strategy):
         return gathered
 
 
-def strategy_name(run: Run) -> str:
+def strategy_name(run: RunView) -> str:
     """``train.strategy``, with "auto" resolved: an enabled plugin's strategy, else "single"."""
-    from .plugins import BUILTIN_PREFIX
-
     registry = run.registries["strategy"]
     name = run.config.train.strategy
     if name != "auto":
         registry.get(name)
         return name
-    offered = {n: e.plugin for n, e in registry.entries.items() if not e.plugin.startswith(BUILTIN_PREFIX)}
+    offered = {n: e.plugin for n, e in registry.entries.items() if not e.builtin}
     if len(offered) > 1:
         listed = ", ".join(f"{n} (plugin {p})" for n, p in sorted(offered.items()))
         raise ConfigError(f"train.strategy: enabled plugins offer several strategies ({listed}); "

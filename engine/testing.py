@@ -68,7 +68,7 @@ class TokenDataset(torch.utils.data.Dataset):
 def tiny_tokenizer(vocab_size: int = 300) -> Any:
     """A byte-level BPE tokenizer trained on :data:`TEST_CORPUS` (pair it with
     ``tiny_model(vocab_size=300)``), with a minimal chat template; a fresh copy per call."""
-    from .data import train_tokenizer
+    from .builtin.data.tokenizer import train_tokenizer
 
     tokenizer = train_tokenizer([TEST_CORPUS], vocab_size)
     tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -100,7 +100,7 @@ def run_steps(steps: int = 3, plugins: list[str] = (), *, objects: list[Any] = (
     ``plugins`` are entry-point names, ``objects`` plugin objects, ``train`` extra ``[train]``
     keys, ``sections`` the enabled plugins' sections. Other keywords go to :class:`Run`.
     """
-    from .data import DataCollator
+    from .builtin.data.collators import DataCollator
 
     config: dict[str, Any] = {
         "plugins": list(plugins),
@@ -340,7 +340,7 @@ def _per_parameter(ours: Any, theirs: Any, names: tuple[dict[int, str], dict[int
     """(our, Trainer's) optimizer pairs: one per parameter for layerwise names, else the optimizers themselves."""
     from transformers.trainer_pt_utils import LayerWiseDummyOptimizer
 
-    from .lowrank import LayerwiseOptimizer
+    from .kit.lowrank import LayerwiseOptimizer
 
     if not isinstance(theirs, LayerWiseDummyOptimizer):
         return [(ours, theirs)]

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -202,3 +203,17 @@ def write_json(path: str | Path, value: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(dumps_json(value, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, path)
+
+
+def is_callback(obj: Any) -> bool:
+    """A ``transformers.TrainerCallback`` instance or subclass (transformers is not imported for it)."""
+    module = sys.modules.get("transformers.trainer_callback")
+    if module is None:  # not imported: nothing here can be a TrainerCallback
+        return False
+    base = module.TrainerCallback
+    return isinstance(obj, base) or (isinstance(obj, type) and issubclass(obj, base))
+
+
+def is_datasets_object(obj: Any) -> bool:
+    """A 🤗 ``datasets.Dataset`` or ``IterableDataset`` (checked without importing datasets)."""
+    return type(obj).__module__.startswith("datasets.") and hasattr(obj, "column_names")

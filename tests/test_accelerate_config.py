@@ -11,7 +11,10 @@ import sys
 import pytest
 
 from engine import ConfigError
-from engine.accelerate_config import _DEEPSPEED, _TOP_LEVEL, FSDP_CONFIG, apply, map_config
+from engine.catalogue import ACCELERATE_KEYS
+from engine.tooling.accelerate_config import _TOP_LEVEL, apply, map_config
+from engine_deepspeed.mappings import DEEPSPEED_CONFIG
+from engine_fsdp.mappings import FSDP_CONFIG
 from engine.cli import main
 
 LAUNCHER = {"machine_rank": 0, "main_training_function": "main", "num_machines": 1, "num_processes": 2,
@@ -194,8 +197,8 @@ def _config_reading(path, value):
 
 
 def test_every_key_read_is_typed_here():
-    read = {"distributed_type", *_TOP_LEVEL, *(f"fsdp_config.{key}" for key in FSDP_CONFIG),
-            *(f"deepspeed_config.{key}" for key in _DEEPSPEED)}
+    read = {"distributed_type", *_TOP_LEVEL, *ACCELERATE_KEYS, *(f"fsdp_config.{key}" for key in FSDP_CONFIG),
+            *(f"deepspeed_config.{key}" for key in DEEPSPEED_CONFIG)}
     assert read == set(TAKES)
 
 

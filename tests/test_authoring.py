@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.authoring import KINDS, hook_contract
+from engine.tooling.authoring import KINDS, hook_contract
 from engine.cli import main
 from engine.testing import run_steps, tiny_dataset
 
@@ -251,3 +251,48 @@ def test_a_dir_the_os_refuses_is_one_line(tmp_path, capfd):
     assert main(["plugins", "new", "gradnoise", "--dir", str(parent)]) == 2
     err = capfd.readouterr().err.splitlines()
     assert err == [f"engine: error: engine plugins new: cannot write {parent / 'engine-gradnoise'}: File name too long"]
+
+
+# ---------------------------------------------------------------------------- command plugins
+
+
+def test_a_command_plugin_adds_a_command_and_an_option_of_the_run_commands(tmp_path):
+    """register_commands, add_run_arguments and edit_run_config, answered by a distribution's entry point
+    in the group engine.commands, as the engine's own tooling (migrate, report, --accelerate-config) is."""
+    _module(tmp_path, "engine_hello", """
+        from engine import hookimpl
+
+        @hookimpl
+        def register_commands(commands):
+            hello = commands.add_parser("hello", help="say hello")
+            hello.add_argument("name")
+            hello.set_defaults(handler=lambda args: print(f"hello {args.name}") or 0)
+
+        @hookimpl
+        def add_run_arguments(parser):
+            parser.add_argument("--hello-seed", type=int)
+
+        @hookimpl
+        def edit_run_config(raw, args):
+            if args.hello_seed is not None:
+                raw.setdefault("train", {})["seed"] = args.hello_seed
+                return "hello", [f"train.seed = {args.hello_seed}"]
+        """)
+    metadata = tmp_path / "engine_hello-0.1.dist-info"
+    metadata.mkdir()
+    (metadata / "METADATA").write_text("Metadata-Version: 2.1\nName: engine-hello\nVersion: 0.1\n")
+    (metadata / "entry_points.txt").write_text("[engine.commands]\nhello = engine_hello\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+
+    def engine(*args):
+        return subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True, env=env,
+                              cwd=tmp_path, timeout=300)
+
+    said = engine("hello", "world")
+    assert said.returncode == 0 and said.stdout == "hello world\n", said.stderr
+    plan = engine("plan", "--hello-seed", "7")
+    assert plan.returncode == 0, plan.stderr
+    assert "seed = 7" in plan.stdout
+    assert plan.stdout.rstrip().endswith("hello (mapped; --set overrides it):\n  train.seed = 7")
+    listed = engine("--help").stdout
+    assert "hello" in listed and "migrate" in listed  # the engine's tooling is a command plugin too

@@ -144,3 +144,60 @@ def test_a_real_cpu_out_of_memory_error_finds_a_batch_that_fits(tmp_path):
     assert outcome["differ"] == []
     assert "per_device_train_batch_size 16 ran out of memory at step" in result.stderr
     assert "; starting again with 14" in result.stderr
+
+
+class CountingCallback:
+    """A stateful TrainerCallback (ExportableState): the events it saw, as Trainer's callbacks count them."""
+
+    @staticmethod
+    def make():
+        from transformers import TrainerCallback
+        from transformers.trainer_callback import ExportableState
+
+        class Counting(TrainerCallback, ExportableState):
+            def __init__(self):
+                self.evaluations = self.steps = 0
+
+            def on_evaluate(self, args, state, control, **kwargs):
+                self.evaluations += 1
+
+            def on_step_end(self, args, state, control, **kwargs):
+                self.steps += 1
+
+            def state(self):
+                return {"args": {}, "attributes": {"evaluations": self.evaluations, "steps": self.steps}}
+
+        return Counting()
+
+
+def _plugin_states(run):
+    """Early stopping's counter and best value, the TrainerCallbacks' TrainerState and the callback's own counts."""
+    stopping = run.plugin_manager.pm.get_plugin("early_stopping")
+    adapter = run.plugin_manager.pm.get_plugin("builtin.callbacks")
+    theirs = adapter.state
+    callback, = adapter.callbacks
+    return {"early_stopping": (stopping.best, stopping.evaluations_without_improvement),
+            "trainer_state": (theirs.global_step, theirs.max_steps, theirs.train_batch_size, theirs.num_train_epochs,
+                              theirs.best_metric, theirs.best_global_step),
+            "callback": (callback.evaluations, callback.steps)}
+
+
+def test_a_restart_puts_the_plugins_state_back_as_a_run_started_with_the_batch_that_fit(tmp_path):
+    """Early stopping's patience counter, the TrainerCallbacks' TrainerState and a stateful callback
+    after restarts equal those of a run started with the batch size found (on_restart)."""
+    from engine.testing import tiny_dataset
+
+    # every evaluation after the first misses the threshold: the patience counter counts them all
+    train = {"eval_strategy": "steps", "eval_steps": 1, "metric_for_best_model": "loss",
+             "per_device_eval_batch_size": 4}  # evaluation batches fit
+    sections = {"early_stopping": {"patience": 100, "threshold": 10.0}}
+    found = run_steps(6, ["early_stopping"], objects=[OutOfMemoryAbove(rows=4, from_step=2)],
+                      output_dir=tmp_path / "auto", eval_dataset=tiny_dataset(8, seed=1), sections=sections,
+                      callbacks=[CountingCallback.make()],
+                      train={**train, "per_device_train_batch_size": 6, "auto_find_batch_size": True})
+    assert found.config.train.per_device_train_batch_size == 4
+    reference = run_steps(6, ["early_stopping"], output_dir=tmp_path / "reference", sections=sections,
+                          eval_dataset=tiny_dataset(8, seed=1), callbacks=[CountingCallback.make()],
+                          train={**train, "per_device_train_batch_size": 4})
+    assert _plugin_states(found) == _plugin_states(reference)
+    assert _plugin_states(reference)["early_stopping"][1] == 5 and _plugin_states(reference)["callback"] == (6, 6)

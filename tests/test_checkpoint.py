@@ -12,7 +12,7 @@ import torch
 import engine.checkpoint as ckpt
 from engine import CheckpointError, ConfigError, Run, hookimpl
 from engine.cli import main
-from engine.data import DataCollator
+from engine.builtin.data.collators import DataCollator
 from engine.logs import process_log_level
 from engine.testing import tiny_dataset, tiny_model, write_run_file
 

@@ -1,4 +1,4 @@
-"""engine.data: sources through 🤗 Datasets, tokenizers, tokenized and packed examples, collators
+"""engine.builtin.data: sources through 🤗 Datasets, tokenizers, tokenized and packed examples, collators
 and build_datasets (real files read back, no mocks)."""
 
 import json
@@ -12,18 +12,11 @@ import pytest
 import torch
 
 from engine.config import DataConfig
-from engine.data import (
-    DataCollator,
-    ModelLimits,
-    build_datasets,
-    build_tokenizer,
-    check_token_rows,
-    embedded_corpus,
-    load_source,
-    load_tokenizer,
-    token_row_problem,
-    train_tokenizer,
-)
+from engine.builtin.data.build import build_datasets
+from engine.builtin.data.checks import ModelLimits, check_token_rows, token_row_problem
+from engine.builtin.data.collators import DataCollator
+from engine.builtin.data.sources import embedded_corpus, load_source
+from engine.builtin.data.tokenizer import build_tokenizer, load_tokenizer, train_tokenizer
 from engine.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +60,7 @@ def texts_of(rows):
 
 
 def test_import_does_not_load_transformers_or_datasets():
-    code = "import sys, engine.data; assert 'transformers' not in sys.modules and 'datasets' not in sys.modules"
+    code = "import sys, engine.builtin.data; assert 'transformers' not in sys.modules and 'datasets' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 

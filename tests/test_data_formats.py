@@ -9,16 +9,13 @@ import torch
 
 import engine
 from engine.config import DataConfig
-from engine.data import (
-    IGNORE_INDEX,
-    Datasets,
-    FlatteningCollator,
-    build_datasets,
-    enable_document_packing,
-    prepare,
-    render_chat,
-    train_tokenizer,
-)
+from engine.builtin.data.build import build_datasets
+from engine.builtin.data.chat import render_chat
+from engine.builtin.data.collators import FlatteningCollator, enable_document_packing
+from engine.builtin.data.prepare import prepare
+from engine.builtin.data.tokenizer import train_tokenizer
+from engine.loss import IGNORE_INDEX
+from engine.state import Datasets
 from engine.errors import ConfigError
 from engine.testing import tiny_model
 
@@ -343,7 +340,7 @@ def test_create_datasets_hook_supplies_the_data(tmp_path, tokenizer):
         def create_datasets(self, run):
             return [1, 2]
 
-    with pytest.raises(ConfigError, match="create_datasets returned a list, expected engine.data.Datasets"):
+    with pytest.raises(ConfigError, match="create_datasets returned a list, expected engine.Datasets"):
         _run(tmp_path, model=tiny_model(vocab_size=len(tokenizer)), tokenizer=tokenizer, plugins=[Wrong()]).setup()
 
 

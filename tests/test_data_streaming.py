@@ -7,7 +7,9 @@ import pytest
 
 import engine
 from engine.config import DataConfig
-from engine.data import ResumableStream, build_datasets, train_tokenizer
+from engine.builtin.data.build import build_datasets
+from engine.builtin.data.streaming import ResumableStream
+from engine.builtin.data.tokenizer import train_tokenizer
 from engine.errors import ConfigError
 from engine.testing import tiny_model
 
@@ -88,12 +90,12 @@ def test_resumed_stream_sees_the_same_next_batches(tmp_path, corpus, tokenizer):
 
 
 def test_tokenizer_trained_on_the_stream_start(tmp_path, corpus, monkeypatch):
-    import engine.data
+    import engine.builtin.data.tokenizer
 
-    monkeypatch.setattr(engine.data, "STREAMING_TOKENIZER_ROWS", 10)
+    monkeypatch.setattr(engine.builtin.data.tokenizer, "STREAMING_TOKENIZER_ROWS", 10)
     config = DataConfig(train=corpus, streaming=True, tokenizer="train", tokenizer_vocab_size=280,
                         cache_dir=str(tmp_path / "cache"))
-    trained = engine.data.build_tokenizer(config, "tiny-llama")
+    trained = engine.builtin.data.tokenizer.build_tokenizer(config, "tiny-llama")
     assert trained.get_vocab() == train_tokenizer(DOCS[:10], 280).get_vocab()
     assert trained.get_vocab() != train_tokenizer(DOCS, 280).get_vocab()  # the cap is what made it so
 

@@ -187,7 +187,7 @@ def test_a_mistake_is_one_line_exit_2_and_nothing_written(cli, tmp_path, name, r
     for file_name, content in FILES.items():
         (tmp_path / file_name).write_text(content)
     if "tok" in " ".join(argv):  # a tokenizer folder, for data that is not text
-        from engine.data import train_tokenizer
+        from engine.builtin.data.tokenizer import train_tokenizer
 
         tokenizer = train_tokenizer(CORPUS.splitlines(), 300)
         tokenizer.save_pretrained(tmp_path / "tok")
@@ -421,7 +421,7 @@ def pretrained(cli, tmp_path):
 
 
 def test_a_pretrained_model_keeps_its_tokenizer(cli, tmp_path, pretrained):
-    from engine.data import load_tokenizer
+    from engine.builtin.data.tokenizer import load_tokenizer
 
     # the tokenizer data.tokenizer = "train" used to pair with the weights: learnt from other.txt
     (tmp_path / "other.toml").write_text(to_toml({**_config(tmp_path / "other"),
@@ -495,7 +495,7 @@ def test_evaluation_without_data_from_a_plugin_is_refused_before_anything_is_wri
     """A create_datasets plugin may supply eval data, so the check waits for setup: still before the
     run record, the logs or the report."""
     from engine import Run, hookimpl
-    from engine.data import Datasets
+    from engine.state import Datasets
     from engine.errors import ConfigError
     from engine.testing import tiny_dataset, tiny_model, tiny_tokenizer
 
@@ -618,7 +618,7 @@ BAD_ROWS = [  # (case, data file content, --set overrides, the error line after 
 
 def _save_tokenizers(folder):
     """tok (no chat template), chat, raising (raise_exception on 'boom'), broken (a syntax error)."""
-    from engine.data import train_tokenizer
+    from engine.builtin.data.tokenizer import train_tokenizer
 
     tokenizer = train_tokenizer(CORPUS.splitlines(), 300)
     tokenizer.save_pretrained(folder / "tok")

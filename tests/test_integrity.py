@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 import engine.checkpoint as ckpt
 from engine import CheckpointError, ConfigError, Run, TrainingDiverged, hookimpl
 from engine.config import to_toml
-from engine.data import DataCollator
+from engine.builtin.data.collators import DataCollator
 from engine.layout import FINAL_MARKER, FINAL_TMP, LOCK, MARKER, RECORD
 from engine.testing import tiny_dataset, tiny_model
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from engine import Run, hookimpl
-from engine.data import DataCollator
-from engine.testing import run_steps, tiny_dataset, tiny_model
+from engine.builtin.data.collators import DataCollator
+from engine.testing import logged_scalars, run_steps, tiny_dataset, tiny_model
 
 
 def _params(run):
@@ -272,3 +272,48 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path):
               model=tiny_model(vocab_size=128))
     with pytest.raises(ConfigError, match="the tokenizer has 300 tokens but the model's vocab_size is 128"):
         run.setup()
+
+
+def test_the_end_of_training_hooks(tmp_path):
+    """on_train_summary adds to the summary, on_before_final_save decides the final weights, on_train_exit
+    fires last, also when training raised."""
+    from safetensors.torch import load_file
+
+    class EndOfTraining:
+        def __init__(self, fail_at=None):
+            self.fail_at, self.events = fail_at, []
+
+        @hookimpl
+        def on_step_end(self, run):
+            if run.state.global_step == self.fail_at:
+                raise RuntimeError("a plugin failed")
+
+        @hookimpl
+        def on_train_summary(self, run, metrics):
+            metrics["train_custom"] = 1.0
+
+        @hookimpl
+        def on_before_final_save(self, run):
+            self.events.append(("before_final_save", run.model.training))
+            with torch.no_grad():
+                run.model.model.norm.weight.zero_()  # what the final model then holds
+
+        @hookimpl
+        def on_train_end(self, run):
+            self.events.append(("train_end", None))
+
+        @hookimpl
+        def on_train_exit(self, run, status):
+            self.events.append(("train_exit", status))
+
+    ended = EndOfTraining()
+    run_steps(2, objects=[ended], output_dir=tmp_path / "ok", train={"save_final_model": True})
+    assert logged_scalars(tmp_path / "ok")[("train_custom", 2)] == 1.0  # logged with the summary
+    assert ended.events == [("before_final_save", False), ("train_end", None), ("train_exit", "success")]
+    final = load_file(tmp_path / "ok" / "model.safetensors")
+    assert not final["model.norm.weight"].any()
+
+    failed = EndOfTraining(fail_at=1)
+    with pytest.raises(RuntimeError, match="a plugin failed"):
+        run_steps(2, objects=[failed], output_dir=tmp_path / "failed")
+    assert failed.events == [("train_exit", "failed")]

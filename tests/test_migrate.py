@@ -23,8 +23,10 @@ from engine.cli import main
 from engine.config import TrainConfig
 from engine.plugins import PluginManager, installed_plugins
 from engine.testing import assert_one_line_error
-from engine.accelerate_config import FSDP_CONFIG
-from engine.trainer_args import _TRAINER_FSDP, ACCEPTED, FIELDS, KINDS, LEGACY, PLUGIN, SEQ2SEQ_FIELDS, show
+from engine.builtin.trainer_args import FIELDS, LEGACY, SEQ2SEQ_FIELDS, answer_for
+from engine.kit.mappings import ACCEPTED, KINDS, PLUGIN, show
+from engine.tooling.accelerate_config import map_config
+from engine_fsdp.mappings import _TRAINER_FSDP, FSDP_CONFIG
 
 ROOT = Path(__file__).resolve().parents[1]
 DEEPSPEED_ZERO2 = {
@@ -88,7 +90,7 @@ def requires(*plugins):
 def test_every_field_of_the_installed_transformers_has_an_answer():
     names = [f.name for f in dataclasses.fields(TrainingArguments)]
     unanswered = [name for name in names if name not in FIELDS]
-    assert not unanswered, f"TrainingArguments fields without an answer in engine/trainer_args.py: {unanswered}"
+    assert not unanswered, f"TrainingArguments fields without an answer in engine/builtin/trainer_args.py: {unanswered}"
     gone = [name for name in FIELDS if name not in names]
     assert not gone, f"no longer TrainingArguments fields (move them to LEGACY): {gone}"
     assert not set(LEGACY) & set(names), "LEGACY holds current fields"
@@ -110,7 +112,8 @@ def test_every_answer_names_a_real_train_key_or_plugin_option():
     if missing:
         pytest.skip(f"plugins not installed: {missing}")
     schemas = {"train": TrainConfig, **PluginManager(enabled=plugins).option_schemas()}
-    for name, answer in {**FIELDS, **SEQ2SEQ_FIELDS, **LEGACY}.items():
+    for name in [*FIELDS, *SEQ2SEQ_FIELDS, *LEGACY]:
+        answer = answer_for(name)  # a field a plugin answers (fsdp, deepspeed): the plugin's answer
         if answer.kind == ACCEPTED:
             assert any(key.startswith("train.") for key in answer.keys), name
         if answer.kind == PLUGIN:
@@ -119,6 +122,22 @@ def test_every_answer_names_a_real_train_key_or_plugin_option():
             section, option = key.split(".", 1)
             assert section == "train" or section in answer.plugins, (name, key)
             assert option in {f.name for f in dataclasses.fields(schemas[section])}, (name, key)
+
+
+def test_a_field_or_key_its_plugin_answers_is_lost_with_why_when_the_plugin_does_not_load(monkeypatch):
+    """migrate and --accelerate-config ask the plugin itself (hooks trainer_argument_mappings and
+    accelerate_mappings); a plugin that cannot answer leaves the value unconverted, saying why."""
+    monkeypatch.setenv("ENGINE_DISABLE_PLUGIN_AUTOLOAD", "1")
+    migration = engine.migrate({"output_dir": "out", "fsdp": "full_shard", "neftune_noise_alpha": 5.0})
+    assert migration.plugins == []
+    assert dict(migration.lost)['fsdp = "full_shard"'] == \
+        "mapped by plugin fsdp, which ENGINE_DISABLE_PLUGIN_AUTOLOAD keeps from loading here"
+    assert "neftune_noise_alpha = 5.0" in dict(migration.lost)
+    with pytest.raises(engine.ConfigError, match=r"fsdp_config: '\{\.\.\.\}': mapped by plugin fsdp, which "):
+        map_config({"distributed_type": "FSDP", "fsdp_config": {"fsdp_offload_params": True}}, "x.yaml")
+    assert map_config({"distributed_type": "MULTI_GPU", "fsdp_config": {}}, "x.yaml").plugins == ["ddp"]
+    monkeypatch.delenv("ENGINE_DISABLE_PLUGIN_AUTOLOAD")
+    assert engine.migrate({"output_dir": "out", "fsdp": "full_shard"}).plugins == ["fsdp"]
 
 
 def test_trainer_arguments_doc_is_up_to_date():

@@ -7,7 +7,7 @@ import torch
 
 from engine import ConfigError, Run
 from engine.config import TrainConfig
-from engine.models import build_model
+from engine.builtin.models import build_model
 from engine.testing import run_steps, tiny_dataset, tiny_model
 
 

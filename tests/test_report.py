@@ -14,7 +14,7 @@ from PIL import Image, ImageStat
 
 from engine import cli
 from engine.config import to_toml
-from engine.report import RunFiles, figures, write_report
+from engine.builtin.report_writer import RunFiles, figures, write_report
 from engine.testing import run_steps, tiny_dataset, tiny_model, tiny_tokenizer
 
 CURVES = ["loss", "eval", "learning_rate", "grad_norm"]

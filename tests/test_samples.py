@@ -239,7 +239,7 @@ def test_what_generating_needs_is_refused_before_anything_is_written(engine_cli,
     files = dict(files)
     tokenizer = files.pop("tokenizer", "train")
     if tokenizer != "train":
-        from engine.data import train_tokenizer
+        from engine.builtin.data.tokenizer import train_tokenizer
 
         built = train_tokenizer(CORPUS.splitlines(), 300)
         built.chat_template = CHAT_TEMPLATES[tokenizer]

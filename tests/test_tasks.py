@@ -18,7 +18,7 @@ import torch
 import transformers
 
 import engine
-from engine.data import train_tokenizer
+from engine.builtin.data.tokenizer import train_tokenizer
 from engine.testing import assert_resume_is_exact
 
 ROOT = Path(__file__).resolve().parents[1]

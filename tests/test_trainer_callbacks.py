@@ -8,7 +8,7 @@ import transformers
 from transformers import EarlyStoppingCallback, TrainerCallback
 
 from engine import Run
-from engine.data import DataCollator
+from engine.builtin.data.collators import DataCollator
 from engine.errors import ConfigError, PluginError
 from engine.testing import tiny_dataset, tiny_model
 

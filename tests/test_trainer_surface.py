@@ -8,7 +8,8 @@ import torch
 import transformers
 
 from engine import Run
-from engine.data import DataCollator, forward_columns, without_unused_columns
+from engine.builtin.data.collators import DataCollator
+from engine.loaders import forward_columns, without_unused_columns
 from engine.errors import ConfigError
 from engine.testing import assert_same_state, run_steps, same_weights, tiny_dataset, tiny_model
 
@@ -233,7 +234,7 @@ def _first_tokens(model):
 
 
 def test_logging_evaluation_tokens_and_data_order_as_trainer(tmp_path, monkeypatch):
-    import engine.memory
+    import engine.builtin.memory
 
     shared = dict(max_steps=12, per_device_train_batch_size=8, per_device_eval_batch_size=8, learning_rate=1e-3,
                   logging_strategy="epoch", eval_strategy="steps", eval_steps=2, eval_delay=4, eval_on_start=True,
@@ -243,7 +244,7 @@ def test_logging_evaluation_tokens_and_data_order_as_trainer(tmp_path, monkeypat
     emptied = {"trainer": [], "engine": []}  # at which steps each empties the cache (a no-op on this CPU)
     monkeypatch.setattr(transformers.trainer, "clear_device_cache",
                         lambda: emptied["trainer"].append(trainer.state.global_step))
-    monkeypatch.setattr(engine.memory, "empty_device_cache", lambda: emptied["engine"].append(run.state.global_step))
+    monkeypatch.setattr(engine.builtin.memory, "empty_device_cache", lambda: emptied["engine"].append(run.state.global_step))
     model = tiny_model()
     their_order = _first_tokens(model)
     trainer = transformers.Trainer(
@@ -497,6 +498,23 @@ def test_a_trainingarguments_name_that_is_no_train_key_gets_the_tables_answer():
     with pytest.raises(ConfigError, match="train.neftune_noise_alpha: not a \\[train\\] key; .*provided by plugin "
                                           "neftune"):
         Run({"train": {"neftune_noise_alpha": 5.0}})
+
+
+def test_check_raw_config_answers_before_the_sections_are_validated():
+    """The table's answer is the builtin trainer_args' check_raw_config; a plugin's own answers before
+    the schema's "unknown key" too."""
+    import engine
+
+    class Renames:
+        @engine.hookimpl
+        def check_raw_config(self, raw):
+            if "lr" in raw.get("train", {}):
+                raise ConfigError("train.lr: write train.learning_rate")
+
+    with pytest.raises(ConfigError, match="^train.lr: write train.learning_rate$"):
+        Run({"train": {"lr": 0.1}}, plugins=[Renames()])
+    with pytest.raises(ConfigError, match="train.local_rank: not a \\[train\\] key"):
+        Run({"train": {"local_rank": 0}}, plugins=[Renames()])
     with pytest.raises(ConfigError, match="train.sortish_sampler: not a \\[train\\] key; Seq2SeqTrainingArguments"
                                           ".sortish_sampler: the engine always does what Trainer's default does: "
                                           "Seq2SeqTrainer reads it nowhere"):

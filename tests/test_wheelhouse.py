@@ -85,6 +85,7 @@ def _two_galore_steps(folder: Path) -> Path:
                           max_steps=2, save_strategy="no", **GALORE)
 
 
+@pytest.mark.alone  # pip resolves against the index: not beside another worker (see pyproject's markers)
 def test_a_wheelhouse_installs_offline_into_a_fresh_venv_and_trains(tmp_path):
     # the wheelhouse (~350 MB) and the environment (~1.3 GB) go when the test ends
     with tempfile.TemporaryDirectory(prefix="engine-wheelhouse-test-") as scratch:

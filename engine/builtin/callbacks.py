@@ -42,20 +42,12 @@ from typing import Any
 
 from engine import hookimpl
 from engine.errors import ConfigError
+from engine.util import is_callback
 
 PLUGIN = "builtin.callbacks"
 FLAGS = ("should_training_stop", "should_epoch_stop", "should_save", "should_evaluate", "should_log")
 # TrainingArguments keys the engine cannot always take over (a name only a plugin registers)
 _OPTIONAL_ARGS = ("optim", "optim_args", "optim_target_modules", "lr_scheduler_type", "lr_scheduler_kwargs")
-
-
-def is_callback(obj: Any) -> bool:
-    """A ``transformers.TrainerCallback`` instance or subclass (transformers is not imported for it)."""
-    module = sys.modules.get("transformers.trainer_callback")
-    if module is None:  # not imported: nothing here can be a TrainerCallback
-        return False
-    base = module.TrainerCallback
-    return isinstance(obj, base) or (isinstance(obj, type) and issubclass(obj, base))
 
 
 def training_arguments(train: Any) -> Any:
@@ -100,6 +92,7 @@ class TrainerCallbacks:
         self.micro_batch: int | None = None  # inside a training step: micro-batches begun
         self.optimizer_stepped = False
         self.handles: list[Any] = []
+        self.initial_states: list[dict[str, Any]] = []  # the stateful callbacks' state() at the start
 
     # ------------------------------------------------------------------ dispatch
 
@@ -143,6 +136,13 @@ class TrainerCallbacks:
 
     @hookimpl
     def on_train_start(self, run):
+        self._begin(run)
+        self.initial_states = [callback.state() for callback in self._stateful()]
+        self.control.should_training_stop = False
+        self._call("on_train_begin")
+
+    def _begin(self, run) -> None:
+        """The TrainerState of a run starting, and the optimizer step events hooked onto the optimizer."""
         train, state = run.config.train, self.state
         state.compute_steps(self.args, run.state.max_steps)
         state.train_batch_size = train.per_device_train_batch_size * run.strategy.world_size
@@ -154,8 +154,18 @@ class TrainerCallbacks:
         if stepper is not None:
             self.handles = [stepper(self._before_optimizer_step),
                             run.optimizer.register_step_post_hook(self._after_optimizer_step)]
-        self.control.should_training_stop = False
-        self._call("on_train_begin")
+
+    @hookimpl
+    def on_restart(self, run):
+        """As a run started with the new settings: a fresh TrainerState and control, the stateful callbacks'
+        state as at the start, the step events on the new optimizer (on_train_begin does not fire again)."""
+        from transformers.trainer_callback import TrainerControl, TrainerState
+
+        self._remove_handles()
+        self.state, self.control = TrainerState(), TrainerControl()
+        self._begin(run)
+        for callback, initial in zip(self._stateful(), self.initial_states):
+            _set_attributes(callback, initial)
 
     @hookimpl
     def on_epoch_start(self, run):
@@ -233,9 +243,12 @@ class TrainerCallbacks:
 
     @hookimpl
     def on_train_end(self, run):
+        self._remove_handles()
+        self._call("on_train_end")
+
+    def _remove_handles(self) -> None:
         while self.handles:
             self.handles.pop().remove()
-        self._call("on_train_end")
 
     def _stateful(self) -> list[Any]:
         from transformers.trainer_callback import ExportableState
@@ -259,5 +272,10 @@ class TrainerCallbacks:
             entry = next((e for e in saved if e.get("class") == type(callback).__name__), None)
             if entry is not None:
                 saved.remove(entry)
-                for key, value in entry.get("attributes", {}).items():
-                    setattr(callback, key, value)
+                _set_attributes(callback, entry)
+
+
+def _set_attributes(callback: Any, saved: dict[str, Any]) -> None:
+    """An ``ExportableState`` callback's attributes from its ``state()``."""
+    for key, value in saved.get("attributes", {}).items():
+        setattr(callback, key, value)

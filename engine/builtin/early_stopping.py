@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine import hookimpl, option
-from engine.checkpoint import improves, metric_value
+from engine.builtin.best_model import improves, metric_value
 from engine.errors import ConfigError
 
 PLUGIN = "early_stopping"
@@ -75,6 +75,10 @@ class EarlyStopping:
             reason = (f"{run.config.train.metric_for_best_model} did not improve on {self.best} for "
                       f"{self.evaluations_without_improvement} evaluations")
             run.control.request_stop(reason)
+
+    @hookimpl
+    def on_restart(self, run):
+        self.best, self.evaluations_without_improvement = None, 0
 
     @hookimpl
     def checkpoint_state(self, run):

@@ -1,5 +1,5 @@
 """The report at the end of every run: ``report.md``, ``report.html`` and the curves
-``report-*.png`` in output_dir (:mod:`engine.report`; ``engine report`` writes the same on demand).
+``report-*.png`` in output_dir (:mod:`engine.builtin.report_writer`; ``engine report`` writes the same on demand).
 
 A builtin, on by default: a run should end in something a person reads, and the report is
 written from the run's own files, so a failure to write it costs nothing else. It runs in
@@ -49,7 +49,7 @@ class Report:
 
     @hookimpl
     def log_finish(self, run, status):
-        from engine.report import default_config, write_report
+        from engine.builtin.report_writer import default_config, write_report
 
         if status != "success" and run.state.global_step == self.start_step:
             return  # refused before its first step: its error says why; a report would say nothing new

@@ -43,7 +43,7 @@ import torch
 
 from engine import hookimpl, option
 from engine.errors import ConfigError
-from engine.models import max_positions, model_config
+from engine.kit.models import max_positions, model_config
 from engine.util import decode_utf8, describe_exception, is_callable_spec
 
 PLUGIN = "samples"
@@ -266,6 +266,10 @@ class Samples:
         # once per step: Run.evaluate() called after training is at the step the end sampled
         if run.config.section(PLUGIN).every == "evaluation" and self.sampled_step != run.state.global_step:
             self._sample(run)
+
+    @hookimpl
+    def on_restart(self, run):
+        self.sampled_step = None
 
     @hookimpl
     def on_train_end(self, run):

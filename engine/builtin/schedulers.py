@@ -103,7 +103,7 @@ def register_schedulers(register):
 def configure(run):
     train = run.config.train
     entry = run.registries["scheduler"].get(train.lr_scheduler_type)
-    if entry.plugin == "builtin.schedulers":  # its arguments checked now, on a one-parameter optimizer
+    if entry.builtin:  # its arguments checked now, on a one-parameter optimizer
         probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=train.learning_rate)
         steps = max(train.max_steps, 1)
         entry.factory(probe, min(train.warmup_steps, steps), steps, **train.lr_scheduler_kwargs)

@@ -19,8 +19,7 @@ def configure(run):
     if run.config.train.on_nonfinite != "skip":
         return
     # skipping means deciding between backward and the update: only this step can do that
-    owners = [impl.plugin_name for impl in run.hook.training_step.get_hookimpls()
-              if not (impl.wrapper or impl.hookwrapper) and impl.plugin_name != "builtin.steps"]
+    owners = run.plugin_manager.plugins_answering("training_step")
     if owners:
         raise ConfigError(f"train.on_nonfinite = 'skip': plugin {owners[0]!r} runs its own training step, "
                           "which cannot skip an update; use on_nonfinite = 'stop'")

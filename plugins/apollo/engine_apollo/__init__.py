@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from engine import hookimpl, lowrank
-from engine.errors import ConfigError
+from engine import ConfigError, hookimpl
+from engine.kit import lowrank
 from engine.optim import OptimArg as Arg
 from engine.optim import OptimizerFamily
 

@@ -13,7 +13,7 @@ import engine
 import engine.catalogue
 import engine.plugins
 from engine.errors import ConfigError, MissingDependencyError
-from engine.lowrank import LayerwiseOptimizer
+from engine.kit.lowrank import LayerwiseOptimizer
 from engine.strategy import Strategy
 from engine.testing import assert_matches_trainer, assert_resume_is_exact, run_steps, tiny_dataset, tiny_model
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from torch.nn.parallel import DistributedDataParallel
 
 from engine import hookimpl, option
-from engine.strategy import DistributedStrategy
+from engine.kit.distributed import DistributedStrategy
 
 
 # torch 2.13 renamed broadcast_buffers (kept for older torch)
@@ -73,3 +73,10 @@ def plugin_options():
 @hookimpl
 def register_strategies(register):
     register("ddp", DDPStrategy)
+
+
+@hookimpl
+def trainer_argument_mappings():
+    from .mappings import TRAINER_ARGUMENTS  # for engine migrate only: runs do not load it
+
+    return TRAINER_ARGUMENTS

@@ -37,7 +37,7 @@ from typing import Any, Literal
 import torch
 
 from engine import ConfigError, MissingDependencyError, hookimpl, option
-from engine.strategy import DistributedStrategy, strategy_name
+from engine.kit.distributed import DistributedStrategy, strategy_name
 
 from . import dsconfig
 
@@ -60,7 +60,7 @@ class DeepSpeedOptions:
 
 
 def _world_size() -> int:
-    from engine.rundir import env_rank
+    from engine.kit.distributed import env_rank
 
     return env_rank("WORLD_SIZE") if "WORLD_SIZE" in os.environ else 1
 
@@ -272,7 +272,7 @@ class DeepSpeedStrategy(DistributedStrategy):
             self.engine.optimizer.refresh_fp32_params()  # the optimizer's fp32 copy follows the weights
 
     def save_checkpoint_files(self, run, folder, what):
-        from engine.checkpoint import check_finite_weights, write_model
+        from engine.kit.checkpoint import check_finite_weights, write_model
 
         model_state = self.model_state_dict(run.model)  # full weights: from_pretrained, load_best_model_at_end
         if self.is_main_process:
@@ -282,12 +282,12 @@ class DeepSpeedStrategy(DistributedStrategy):
             write_model(run, folder, model_state)
 
     def checkpoint_files(self, folder):
-        from engine.layout import WEIGHTS, WEIGHTS_INDEX
+        from engine.kit.checkpoint import WEIGHTS, WEIGHTS_INDEX
 
         return (WEIGHTS_INDEX if (folder / WEIGHTS_INDEX).is_file() else WEIGHTS, TAG)
 
     def load_optimizer(self, optimizer, folder):
-        from engine.checkpoint import CheckpointError, restoring
+        from engine.kit.checkpoint import CheckpointError, restoring
 
         folder = Path(folder)
         with restoring(folder, TAG):
@@ -322,3 +322,17 @@ def configure(run):
 @hookimpl
 def register_strategies(register):
     register("deepspeed", DeepSpeedStrategy)
+
+
+@hookimpl
+def trainer_argument_mappings():
+    from .mappings import TRAINER_ARGUMENTS  # for engine migrate only: runs do not load it
+
+    return TRAINER_ARGUMENTS
+
+
+@hookimpl
+def accelerate_mappings():
+    from .mappings import ACCELERATE
+
+    return ACCELERATE

@@ -153,7 +153,7 @@ def resolve(run: Any, world_size: int) -> dict[str, Any]:
 
 def _hidden_size(run: Any) -> int | None:
     """The model's hidden size: of the model given to the run, else of the config ``train.model`` names."""
-    from engine.models import model_config
+    from engine.kit.models import model_config
 
     config = getattr(run.model, "config", None) if run.model is not None else model_config(run.config.train)
     if config is None:

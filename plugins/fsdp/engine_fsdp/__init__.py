@@ -36,7 +36,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 
 from engine import ConfigError, hookimpl, option
-from engine.strategy import DistributedStrategy
+from engine.kit.distributed import DistributedStrategy
 
 SHARDED_MODEL, SHARDED_OPTIMIZER = "pytorch_model_fsdp_0", "optimizer_0"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -150,7 +150,7 @@ class FSDPStrategy(DistributedStrategy):
     def save_checkpoint_files(self, run, folder, what):
         if self.options.state_dict_type == "full":
             return super().save_checkpoint_files(run, folder, what)
-        from engine.checkpoint import diverged
+        from engine.kit.checkpoint import diverged
 
         model_state = get_model_state_dict(run.model)
         if not self._finite(model_state):
@@ -172,7 +172,7 @@ class FSDPStrategy(DistributedStrategy):
         return super().checkpoint_files(folder)
 
     def load_model_weights(self, model, folder):
-        from engine.checkpoint import CheckpointError, read_weights, restoring
+        from engine.kit.checkpoint import CheckpointError, read_weights, restoring
 
         if (folder / SHARDED_MODEL).is_dir():
             state = get_model_state_dict(model)
@@ -188,7 +188,7 @@ class FSDPStrategy(DistributedStrategy):
             raise CheckpointError(f"checkpoint {folder}: weights do not fit the model: {exc}") from None
 
     def load_optimizer(self, optimizer, folder):
-        from engine.checkpoint import load_state_file, restoring
+        from engine.kit.checkpoint import load_state_file, restoring
 
         sharded = (folder / SHARDED_OPTIMIZER).is_dir()
         name = SHARDED_OPTIMIZER if sharded else "optimizer.pt"
@@ -211,3 +211,17 @@ def plugin_options():
 @hookimpl
 def register_strategies(register):
     register("fsdp", FSDPStrategy)
+
+
+@hookimpl
+def trainer_argument_mappings():
+    from .mappings import TRAINER_ARGUMENTS  # for engine migrate only: runs do not load it
+
+    return TRAINER_ARGUMENTS
+
+
+@hookimpl
+def accelerate_mappings():
+    from .mappings import ACCELERATE
+
+    return ACCELERATE

@@ -13,9 +13,9 @@ import torch
 import engine
 import engine.catalogue
 import engine.plugins
-from engine import lowrank
+from engine.kit import lowrank
 from engine.errors import ConfigError, MissingDependencyError
-from engine.lowrank import LayerwiseOptimizer
+from engine.kit.lowrank import LayerwiseOptimizer
 from engine.strategy import Strategy
 from engine.testing import assert_matches_trainer, assert_resume_is_exact, run_steps, tiny_dataset, tiny_model
 

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import engine
-from engine import OptimArg, OptimizerFamily, hookimpl
-from engine.util import load_callable
+from engine import OptimArg, OptimizerFamily, hookimpl, load_callable
 
 __version__ = "0.1.0"
 

@@ -31,11 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from engine import hookimpl
-from engine.config import option
-from engine.errors import ConfigError, PluginError
-from engine.layout import FINAL_MARKER, MARKER, TMP
-from engine.rundir import is_main_process
+from engine import ConfigError, PluginError, hookimpl, option
+from engine.kit.checkpoint import FINAL_MARKER, MARKER, TMP
+from engine.kit.distributed import is_main_process
 
 from .card import write_model_card
 from .targets import RemoteMissing, Target, describe, is_filesystem, is_repo_id, open_target
@@ -324,11 +322,17 @@ class Hub:
             self._submit(run, pusher, latest, _saved_step(latest))
         if not run.config.train.save_final_model:
             return
-        from engine.checkpoint import final_model_files
+        from engine.kit.checkpoint import final_model_files
 
         snapshot = _snapshot(run.output_dir, self._staging(run), [*final_model_files(run.output_dir), FINAL_MARKER])
         write_model_card(run, snapshot / "README.md", options, self.metrics)
         pusher.submit(Push(step, "End of training", [(snapshot, "", [], False)], snapshot, final=True))
+
+    @hookimpl
+    def trainer_argument_mappings(self):
+        from .mappings import TRAINER_ARGUMENTS  # for engine migrate only: runs do not load it
+
+        return TRAINER_ARGUMENTS
 
 
 def _saved_step(path: Path) -> int:

@@ -5,9 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from engine import __version__
-from engine.config import to_toml
-from engine.rundir import versions
+from engine import __version__, to_toml
+from engine.kit.checkpoint import versions
 
 
 def write_model_card(run: Any, path: Path, options: Any, metrics: dict[str, Any]) -> None:

@@ -17,8 +17,8 @@ import shutil
 from pathlib import Path
 from typing import Sequence
 
-from engine.errors import ConfigError
-from engine.layout import FINAL_MARKER, MARKER, TMP
+from engine import ConfigError
+from engine.kit.checkpoint import FINAL_MARKER, MARKER, TMP
 
 # manifests are written last and removed first, so a remote folder with one is complete
 _MARKERS = (MARKER, FINAL_MARKER)

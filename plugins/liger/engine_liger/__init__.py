@@ -55,7 +55,7 @@ def _patch_functions() -> dict[str, Any]:
 
 
 def _model_type(run) -> str | None:
-    from engine.models import model_config
+    from engine.kit.models import model_config
 
     config = getattr(run.model, "config", None) if run.model is not None else model_config(run.config.train)
     return getattr(config, "model_type", None)
@@ -102,8 +102,7 @@ def _check(run, model_type: str, supported: dict[str, Any]) -> None:
         if run.config.train.label_smoothing_factor > 0:
             raise ConfigError("liger.fused_linear_cross_entropy computes the loss inside the model, without label "
                               "smoothing; set train.label_smoothing_factor = 0 or fused_linear_cross_entropy = false")
-        owners = [impl.plugin_name for impl in run.hook.compute_loss.get_hookimpls()
-                  if not impl.plugin_name.startswith("builtin.") and not (impl.wrapper or impl.hookwrapper)]
+        owners = run.plugin_manager.plugins_answering("compute_loss")
         if owners:
             raise ConfigError(f"liger.fused_linear_cross_entropy: plugin {owners[0]!r} computes the loss from the "
                               "logits, which the fused kernel never materialises; set "
@@ -181,3 +180,10 @@ def patch_model(run, model):
         logger.debug("liger: %d names put back", restored)
 
     return undo
+
+
+@hookimpl
+def trainer_argument_mappings():
+    from .mappings import TRAINER_ARGUMENTS  # for engine migrate only: runs do not load it
+
+    return TRAINER_ARGUMENTS

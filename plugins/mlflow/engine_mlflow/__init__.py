@@ -131,7 +131,7 @@ class MLflowTracker(Tracker):
     def log_finish(self, run, status):
         if self.sender is None:
             return
-        from engine.checkpoint import final_model_files
+        from engine.kit.checkpoint import final_model_files
 
         self._send_pending()  # (a sender that failed sends nothing more)
         sender, self.sender = self.sender, None

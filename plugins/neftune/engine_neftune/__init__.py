@@ -67,3 +67,10 @@ def patch_model(run, model):
     handle = input_embeddings(model).register_forward_hook(
         lambda module, inputs, output: add_noise(alpha, module, inputs, output))
     return handle.remove
+
+
+@hookimpl
+def trainer_argument_mappings():
+    from .mappings import TRAINER_ARGUMENTS  # for engine migrate only: runs do not load it
+
+    return TRAINER_ARGUMENTS

@@ -93,7 +93,7 @@ def test_instruction_tuning_on_chat_data_learns_the_answers(tmp_path):
     """The NEFTune use case: chat rows, loss on the assistant turns only, noise on the embeddings."""
     import json
 
-    from engine.data import train_tokenizer
+    from engine.builtin.data.tokenizer import train_tokenizer
 
     texts = [turn["content"] for chat in CHATS for turn in chat] * 20
     tokenizer = train_tokenizer(texts, 300)

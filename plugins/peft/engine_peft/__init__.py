@@ -240,8 +240,8 @@ def describe(model: Any) -> list[str]:
     shown = ", ".join(matched[:8]) + (f", ... ({len(matched)} in all)" if len(matched) > 8 else "")
     kind = config.peft_type.value + (" (DoRA)" if getattr(config, "use_dora", False) else "")
     in_full = f"; trained in full: {', '.join(sorted(config.modules_to_save))}" if config.modules_to_save else ""
-    return [f"peft: {kind} adapter on {len(matched)} modules: {shown}{in_full}",
-            f"peft: trainable parameters {trainable:,} of {total:,} ({100 * trainable / total:.4f} %)"]
+    return [f"{kind} adapter on {len(matched)} modules: {shown}{in_full}",
+            f"trainable parameters {trainable:,} of {total:,} ({100 * trainable / total:.4f} %)"]
 
 
 def _model_source(run: Any) -> Path | None:
@@ -270,7 +270,7 @@ def _quantization_config(options: PeftOptions) -> Any:
 def _check_composition(run: Any, options: PeftOptions) -> None:
     """Refuse what cannot train an adapter, with the reason."""
     train = run.config.train
-    from engine.strategy import strategy_name
+    from engine.kit.distributed import strategy_name
 
     strategy = strategy_name(run)
     if strategy in ("fsdp", "deepspeed"):
@@ -307,7 +307,7 @@ def _check_composition(run: Any, options: PeftOptions) -> None:
             raise ConfigError("peft.quantize: the model was given to Run(model=...) already built; load it quantized "
                               "yourself (from_pretrained(..., quantization_config=BitsAndBytesConfig(...))) or set "
                               "train.model to its folder")
-        if run.weights.source is None:
+        if _model_source(run) is None:
             raise ConfigError(f"peft.quantize: train.model = {train.model!r} is built from a config with random "
                               "weights, so there are no weights to quantize; name a saved model folder "
                               "(train.model = 'path/to/model'), or drop quantize")
@@ -322,16 +322,16 @@ def _plan_notes(run: Any, options: PeftOptions) -> list[str]:
     if run.model is not None:
         config = getattr(run.model, "config", None)
     else:
-        from engine.models import model_config
+        from engine.kit.models import model_config
 
         config = model_config(run.config.train)
     if config is None:
-        return ["peft: the model comes from a factory; its adapter is described when it is built"]
+        return ["the model comes from a factory; its adapter is described when it is built"]
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     notes = describe(wrap(model, options))
     if options.quantize:
-        notes.append(f"peft: base loaded {options.quantize} by bitsandbytes (QLoRA), prepared for k-bit training")
+        notes.append(f"base loaded {options.quantize} by bitsandbytes (QLoRA), prepared for k-bit training")
     return notes
 
 
@@ -344,18 +344,33 @@ def plugin_options():
 def configure(run):
     _require_peft()
     options = _options(run)
-    run.weights = AdapterWeights(options.merge, _model_source(run))
     if run.model is not None and is_peft_model(run.model):
         changed = _changed_options(options, ADAPTER_OPTIONS)
         if changed:
             raise ConfigError(f"peft.{changed[0]}: the model given to Run(model=...) is already a PeftModel with its "
                               "own adapter config; remove the adapter options from [peft]")
-        run.plan_notes += describe(run.model)
         return
     _check_composition(run, options)
-    if options.quantize:
-        run.model_load_kwargs["quantization_config"] = _quantization_config(options)
-    run.plan_notes += _plan_notes(run, options)
+    _plan_notes(run, options)  # builds the adapter on a meta model: target modules matching nothing are refused now
+
+
+@hookimpl
+def checkpoint_weights(run):
+    return AdapterWeights(_options(run).merge, _model_source(run))
+
+
+@hookimpl
+def plan_lines(run):
+    if run.model is not None and is_peft_model(run.model):
+        return describe(run.model)
+    return _plan_notes(run, _options(run))
+
+
+@hookimpl
+def model_load_kwargs(run):
+    """QLoRA: the base loads quantized, never at full size first."""
+    options = _options(run)
+    return {"quantization_config": _quantization_config(options)} if options.quantize else None
 
 
 @hookimpl(tryfirst=True)
@@ -376,4 +391,4 @@ def patch_model(run, model):
     source = run.weights.source
     run.weights.fingerprint = base_fingerprint(model, str(source) if source else run.config.train.model)
     for line in describe(model):
-        logger.info(line)
+        logger.info("peft: %s", line)

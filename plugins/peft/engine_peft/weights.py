@@ -146,7 +146,7 @@ class AdapterWeights(ModelWeights):
 
 def _save_model(run: Any, model: torch.nn.Module, state: dict[str, torch.Tensor], folder: Path) -> None:
     """A full model in the save_pretrained layout, with the tokenizer."""
-    from engine.checkpoint import quiet_transformers
+    from engine.kit.checkpoint import quiet_transformers
 
     folder.mkdir(parents=True)
     with quiet_transformers():

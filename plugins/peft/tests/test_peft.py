@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 import engine
 from engine import CheckpointError, hookimpl
 from engine.cli import main
-from engine.data import DataCollator
+from engine.builtin.data.collators import DataCollator
 from engine.testing import (
     assert_one_line_error,
     assert_resume_is_exact,

@@ -13,9 +13,8 @@ import socket
 from dataclasses import dataclass
 from datetime import datetime
 
-from engine import hookimpl, option
+from engine import dumps_json, hookimpl, option
 from engine.tracking import Tracker, flatten_config, samples_table, scalar_metrics
-from engine.util import dumps_json
 
 
 @dataclass
@@ -72,3 +71,9 @@ class TensorBoardTracker(Tracker):
         if self.writer is not None:
             writer, self.writer = self.writer, None
             writer.close()
+
+    @hookimpl
+    def trainer_argument_mappings(self):
+        from .mappings import TRAINER_ARGUMENTS  # for engine migrate only: runs do not load it
+
+        return TRAINER_ARGUMENTS

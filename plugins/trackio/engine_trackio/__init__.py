@@ -85,6 +85,12 @@ class TrackioTracker(Tracker):
                 trackio.freeze(space_id=options.space_id, project=options.project,
                                new_space_id=options.static_space_id, bucket_id=options.bucket_id)
 
+    @hookimpl
+    def trainer_argument_mappings(self):
+        from .mappings import TRAINER_ARGUMENTS  # for engine migrate only: runs do not load it
+
+        return TRAINER_ARGUMENTS
+
 
 def _remote_url(options: TrackioOptions) -> str | None:
     """The server trackio logs to: the Hub's for a Space (space_id, or TRACKIO_SPACE_ID as trackio

@@ -7,7 +7,7 @@ that the hook does not pass (with the closest real names), an unknown hook, a re
 raises, an options schema whose defaults do not fit their own types or ranges.
 
 :func:`scaffold` writes a new plugin package for one kind (optimizer, loss, tracker, callback)
-from the templates in ``engine/scaffold/``: pyproject with the entry point, the hook module with
+from the templates in ``engine/tooling/scaffold/``: pyproject with the entry point, the hook module with
 each hook's contract as its docstring, an options schema, a README and a test that passes as
 generated.
 """
@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from . import __version__, hookspecs
-from .config import CORE_SECTIONS, TOP_LEVEL_KEYS
-from .errors import ConfigError, PluginError
-from .plugins import ENTRY_POINT_GROUP, InstalledPlugin, inspect_plugin, installed_plugins
+from engine import __version__, hookspecs
+from engine.config import CORE_SECTIONS, TOP_LEVEL_KEYS
+from engine.errors import ConfigError, PluginError
+from engine.plugins import ENTRY_POINT_GROUP, InstalledPlugin, inspect_plugin, installed_plugins
 
 # ---------------------------------------------------------------------------- engine plugins --check
 
@@ -160,7 +160,7 @@ def _near_hook_names(target: Any) -> list[str]:
 
 
 def _check_options(report: CheckReport, plugin: Any, name: str) -> None:
-    from .config import from_mapping, to_mapping
+    from engine.config import from_mapping, to_mapping
 
     impl = getattr(plugin, "plugin_options", None)
     if impl is None or getattr(impl, "engine_impl", None) is None:
@@ -263,7 +263,7 @@ MAX_NAME_LENGTH = 40  # it names a [section], a module, a distribution and files
 
 def _taken_by(name: str) -> str | None:
     """What a run already calls ``name``, so that a plugin's [name] section would collide with it."""
-    from . import builtin
+    from engine import builtin
 
     if name in CORE_SECTIONS:
         return f"[{name}] is the run file's own section"

@@ -1,9 +1,14 @@
-"""Trainer's memory metrics (``train.skip_memory_metrics = false``).
+"""Memory: Trainer's memory metrics (``train.skip_memory_metrics = false``) and
+``train.torch_empty_cache_steps``, as a builtin plugin.
 
 For a stage (train, eval, test) run outside another one: ``{stage}_mem_cpu_alloc_delta``, the
 process's resident memory at the end minus at the start, and ``{stage}_mem_cpu_peaked_delta``, how
 far above the end it peaked (their sum is what the stage needed); ``_gpu_`` the same for the
 accelerator's allocated memory. Names and measures are transformers' ``TrainerMemoryTracker``'s.
+Training is measured from ``on_train_start`` to ``on_train_summary``; the evaluation builtin
+measures its own stages with :func:`track` / :func:`finish`.
+
+``[train]`` keys read: ``skip_memory_metrics``, ``torch_empty_cache_steps``.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ from typing import Any
 
 import torch
 
-from .util import require
+from engine import hookimpl
+from engine.util import require
 
 _active: set[int] = set()  # runs with a stage being measured: an evaluation during training is not one
 
@@ -77,3 +83,32 @@ def finish(run: Any, tracker: MemoryTracker | None, metrics: dict[str, Any] | No
     if tracker is not None and tracker.watching:
         tracker.stop(metrics if metrics is not None else {})
         _active.discard(id(run))
+
+
+class Memory:
+    """One instance per run: the training stage's tracker, and how often to empty the device cache."""
+
+    def __init__(self):
+        self.tracker: MemoryTracker | None = None
+        self.empty_cache_every = 0
+
+    @hookimpl(tryfirst=True)  # before other plugins' on_train_start, whose allocations the stage counts
+    def on_train_start(self, run):
+        self.tracker = track(run, "train")
+        self.empty_cache_every = run.config.train.torch_empty_cache_steps or 0
+
+    @hookimpl(wrapper=True)
+    def training_step(self, run, batches, num_items_in_batch):
+        out = yield
+        if self.empty_cache_every and run.state.global_step % self.empty_cache_every == 0:
+            empty_device_cache()  # before the step is counted: Trainer's steps 0, N, 2N ...
+        return out
+
+    @hookimpl
+    def on_train_summary(self, run, metrics):
+        finish(run, self.tracker, metrics)
+
+    @hookimpl
+    def on_train_exit(self, run, status):
+        finish(run, self.tracker)  # a failed run: the watcher stops
+        self.tracker = None

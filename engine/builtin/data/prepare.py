@@ -1,0 +1,142 @@
+""":func:`prepare`: rows read from a source made into training examples (tokenized, packed, checked),
+fingerprinted and cached beside the source's Arrow files, so a second start reads the cache.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from engine.config import DataConfig
+from engine.errors import ConfigError
+
+from .checks import MAP_BATCH_SIZE, ModelLimits, _learnable, check_token_rows
+from .packing import (
+    _encode_and_pack, _encode_chat, _encode_completion, _encode_text, _pack_concatenated, _pack_documents,
+    _truncate,
+)
+from .sources import column_names, data_kind, logger
+from .task_rows import _Pipeline, prepare_task_rows
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+def prepare(rows: Any, data: DataConfig, tokenizer: PreTrainedTokenizerBase | None, key: str,
+            task: str = "causal-lm", label2id: dict[str, int] | None = None, limits: ModelLimits | None = None) -> Any:
+    """Examples for training from a datasets object: tokenized (text, chat or prompt/completion
+    rows) and shaped per ``data.packing``; rows that already hold ``input_ids`` are used as they
+    are, once checked (:func:`check_token_rows`, against the model's ``limits`` when known).
+    Other tasks' rows by :func:`prepare_task_rows` (string labels mapped with ``label2id``).
+    Steps read from the cache are logged in one line (at debug level for small data). A row that
+    cannot be used is refused as a :class:`BadRow`."""
+    if task != "causal-lm":
+        if "input_ids" in column_names(rows):
+            return check_token_rows(rows, task, key, limits)
+        if tokenizer is None:
+            raise ConfigError(f"{key}: {task} rows need a tokenizer; pass tokenizer= or set data.tokenizer")
+        pipeline = _Pipeline(data, tokenizer, key)
+        examples = prepare_task_rows(rows, task, data, tokenizer, key, pipeline, label2id)
+        pipeline.report()
+        return examples
+    kind = data_kind(rows, data, key)
+    if kind == "tokens":
+        return _learnable(check_token_rows(rows, task, key, limits), key,
+                          "give each row one, or leave the row out")
+    if tokenizer is None:
+        raise ConfigError(f"{key}: {kind} rows need a tokenizer; pass tokenizer= or set data.tokenizer")
+    pipeline = _Pipeline(data, tokenizer, key)
+    examples = _tokenize_and_shape(rows, kind, data, tokenizer, key, pipeline)
+    pipeline.report()
+    return examples
+
+
+def _tokenize_and_shape(rows: Any, kind: str, data: DataConfig, tokenizer: PreTrainedTokenizerBase, key: str,
+                        pipeline: _Pipeline) -> Any:
+    import datasets
+
+    streaming = isinstance(rows, datasets.IterableDataset)
+    if kind == "text":
+        feature = rows.features[data.text_column] if rows.features else None
+        if feature is not None and getattr(feature, "dtype", None) not in ("string", "large_string"):
+            raise ConfigError(f"data.text_column: {key} column {data.text_column!r} holds {feature}, expected strings")
+        if data.packing is True:
+            return _nonempty(pipeline.map(rows, _encode_and_pack, "tokenize + pack", with_indices=True,
+                                          tokenizer=tokenizer, column=data.text_column, eos=_eos_id(tokenizer),
+                                          length=data.max_length, key=key),
+                             data, key)
+        encoded = pipeline.map(rows, _encode_text, "tokenize", with_indices=True, tokenizer=tokenizer,
+                               column=data.text_column, eos=_eos_id(tokenizer), key=key)
+    else:
+        if not getattr(tokenizer, "is_fast", False):
+            raise ConfigError(f"{key}: {kind} data needs a fast tokenizer (character offsets find the "
+                              "tokens to learn); this one is slow")
+        if kind == "chat" and not getattr(tokenizer, "chat_template", None):
+            raise ConfigError(f"{key}: chat data (a 'messages' column) needs a tokenizer with a chat template, "
+                              "and this tokenizer has none; set data.tokenizer to a folder whose "
+                              "tokenizer_config.json has one")
+        if kind == "chat":
+            encoded = pipeline.map(rows, _encode_chat, "render chat and tokenize", with_indices=True,
+                                   tokenizer=tokenizer, all_tokens=data.train_on_all_tokens, key=key)
+        else:
+            encoded = pipeline.map(rows, _encode_completion, "tokenize prompt/completion", with_indices=True,
+                                   tokenizer=tokenizer, all_tokens=data.train_on_all_tokens,
+                                   eos=_eos_id(tokenizer), key=key)
+    length = data.max_length
+    # text rows learn every token; the answers of chat and prompt/completion rows may be cut away
+    why = (f"data.max_length = {length} cuts the answers away; raise it" +
+           ("" if data.packing is True or data.truncation == "drop" else
+            ", or set data.truncation = \"drop\" to leave out examples longer than it"))
+    if data.packing is True:
+        return _learnable(_nonempty(pipeline.map(encoded, _pack_concatenated, "pack", arrow=True, length=length),
+                                    data, key), key, why)
+    if not streaming:
+        encoded = _fit(encoded, data, key, pipeline, why)
+    elif data.truncation == "drop":
+        encoded = _learnable(encoded.filter(lambda ids: len(ids) <= length, input_columns="input_ids"), key, why)
+    else:
+        encoded = _learnable(pipeline.map(encoded, _truncate, "truncate", length=length), key, why)
+    if data.packing == "document":
+        return pipeline.map(encoded, _pack_documents, "pack documents", length=length)
+    return encoded
+
+
+def _nonempty(packed: Any, data: DataConfig, key: str) -> Any:
+    import datasets
+
+    if not isinstance(packed, datasets.IterableDataset) and len(packed) == 0:
+        raise ConfigError(f"{key}: fewer tokens than data.max_length = {data.max_length} in any batch of "
+                          f"{MAP_BATCH_SIZE} examples, so packing yields no example; lower data.max_length "
+                          "or set data.packing = false")
+    return packed
+
+
+def _fit(encoded: Any, data: DataConfig, key: str, pipeline: _Pipeline, why: str) -> Any:
+    """Examples longer than ``data.max_length`` truncated or dropped (``data.truncation``), then
+    those left with no token to learn dropped (:func:`_learnable`, ``why``); counted."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    lengths = pc.list_value_length(encoded.data.column("input_ids")).to_numpy()
+    if len(lengths) == 0:
+        raise ConfigError(f"{key}: no examples")
+    too_long = int((lengths > data.max_length).sum())
+    if too_long == 0:
+        return _learnable(encoded, key, why)
+    if data.truncation == "drop":
+        if too_long == len(lengths):
+            raise ConfigError(f"{key}: all {too_long} examples are longer than data.max_length = "
+                              f"{data.max_length}; raise it or set data.truncation = \"truncate\"")
+        fitted, done = _learnable(encoded.select(np.flatnonzero(lengths <= data.max_length)), key, why), "dropped"
+    else:
+        fitted, done = _learnable(pipeline.map(encoded, _truncate, "truncate", length=data.max_length), key, why), \
+            "truncated"
+    logger.info("%s: %s %d of %d examples longer than data.max_length = %d", key, done, too_long, len(lengths),
+                data.max_length)
+    return fitted
+
+
+def _eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    if tokenizer.eos_token_id is None:
+        raise ConfigError("data.tokenizer: the tokenizer has no eos token; "
+                          "documents need one to mark where they end")
+    return tokenizer.eos_token_id

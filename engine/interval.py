@@ -1,0 +1,147 @@
+"""The loop's logging interval: each step's loss and gradient norm kept as tensors until the loop reads
+them anyway, their sums over the interval and the run, the input tokens seen, skipped updates, and
+the divergence check (a nan or inf found there stops the run with ``TrainingDiverged``)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+
+from .checkpoint import diverged
+from .state import RunView
+
+logger = logging.getLogger("engine")
+
+
+class Interval:
+    """Sums over the current logging interval, and the divergence check.
+
+    Each step's loss and gradient norm stay tensors (no host sync per step) until the loop
+    reads them anyway: a log step, an evaluation, a save, the end (or every ``READ_EVERY``
+    steps). There they are read in one go and checked: the first nan or inf is kept, and
+    :meth:`stop_if_diverged` raises it. With fp16 loss scaling, non-finite gradient norms are
+    the scaler's business (it skips those steps), so only the loss counts then.
+    """
+
+    READ_EVERY = 1000  # a long logging interval keeps no long list of tensors
+
+    def __init__(self, run: RunView):
+        self.run = run
+        self.state = run.state
+        self.check_grad_norm = not run.strategy.scales_loss
+        self.log_skipped = run.config.train.on_nonfinite == "skip"
+        self.log_tokens_seen = run.config.train.include_num_input_tokens_seen != "no"
+        self.non_padding = run.config.train.include_num_input_tokens_seen == "non_padding"  # a tensor sum: no host sync
+        self.pending: list[tuple[int, torch.Tensor, Any]] = []
+        self.divergence: tuple[str, int] | None = None
+        self.count = 0  # steps since the last flush, skipped ones included
+        self.loss = 0.0
+        self.steps = 0  # steps read and summed into self.loss
+        self.tokens = 0
+        self.grad_norm: float | None = None
+        self.started = time.perf_counter()
+        self.total_loss = 0.0
+        self.total_steps = 0
+        self.skipped_in_a_row = 0  # updates skipped (train.on_nonfinite = "skip")
+
+    def add(self, out: Any) -> None:
+        self.count += 1
+        if out.skipped:  # its loss is nan or inf: not part of the interval's mean
+            self.skipped_in_a_row += 1
+            _note_skipped(self.run, out, self.skipped_in_a_row)
+            return
+        self.skipped_in_a_row = 0
+        self.pending.append((self.state.global_step, out.loss.detach(), out.grad_norm))
+        if len(self.pending) >= self.READ_EVERY:
+            self.read()
+
+    def read(self) -> None:
+        """Move the pending values to the host (one sync) and look for the first non-finite one."""
+        if not self.pending:
+            return
+        steps, losses, norms = zip(*self.pending)
+        self.pending = []
+        # the mean over processes: every process logs and decides on the same numbers
+        loss_values = self.run.strategy.reduce(torch.stack([loss.float() for loss in losses]), "mean").tolist()
+        norm_values = _host_values(norms)
+        for step, loss, norm in zip(steps, loss_values, norm_values):
+            if self.divergence is not None:
+                break
+            if not math.isfinite(loss):
+                self.divergence = (f"the loss is {loss}", step)
+            elif self.check_grad_norm and norm is not None and not math.isfinite(norm):
+                self.divergence = (f"the gradient norm is {norm}", step)
+        self.loss += sum(loss_values)
+        self.steps += len(loss_values)
+        if norm_values[-1] is not None:
+            self.grad_norm = norm_values[-1]
+
+    def stop_if_diverged(self) -> None:
+        self.read()
+        if self.divergence is not None:
+            what, step = self.divergence
+            raise diverged(self.run, what, step)
+
+    def flush(self, lr: float) -> dict[str, float]:
+        self.read()
+        now = time.perf_counter()
+        elapsed = now - self.started
+        loss = self.loss / self.steps if self.steps else math.nan
+        self.total_loss += self.loss
+        self.total_steps += self.steps
+        tokens = self.count_tokens()
+        metrics = {"loss": round(loss, 6), "learning_rate": lr}
+        if self.grad_norm is not None:
+            metrics["grad_norm"] = round(self.grad_norm, 6)
+        metrics.update({
+            "tokens_per_second": round(tokens / elapsed, 1) if elapsed else 0.0,
+            "step_time": round(elapsed / max(self.count, 1), 6),
+            "epoch": round(self.state.epoch, 4),
+        })
+        if self.log_tokens_seen:
+            metrics["num_input_tokens_seen"] = self.state.num_input_tokens_seen
+        if self.log_skipped:
+            metrics["skipped_steps"] = self.state.num_skipped_steps
+        self.state.log_history.append({"step": self.state.global_step, **metrics})
+        self.loss, self.steps, self.count, self.started = 0.0, 0, 0, now
+        return metrics
+
+    def count_tokens(self) -> int:
+        """Move this interval's input tokens (every process's) to ``state.num_input_tokens_seen``."""
+        tokens = self.tokens
+        if self.run.strategy.world_size > 1:  # a sync, where the loop syncs anyway
+            tokens = self.run.strategy.reduce(torch.as_tensor(tokens, dtype=torch.float64), "sum")
+        self.tokens = 0
+        self.state.num_input_tokens_seen += int(tokens)
+        return int(tokens)
+
+    @property
+    def mean_loss(self) -> float:
+        steps = self.total_steps + self.steps  # with the steps read but not logged (logging_strategy "no")
+        return round((self.total_loss + self.loss) / steps, 6) if steps else float("nan")
+
+
+def _host_values(values: tuple[Any, ...]) -> list[float | None]:
+    """Floats for tensors (read in one sync), numbers and None."""
+    out = [None if v is None or isinstance(v, torch.Tensor) else float(v) for v in values]
+    tensors = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    if tensors:
+        for i, value in zip(tensors, torch.stack([values[i].float() for i in tensors]).tolist()):
+            out[i] = value
+    return out
+
+
+def _note_skipped(run: RunView, out: Any, in_a_row: int) -> None:
+    """Count a skipped update (``on_nonfinite = "skip"``); stop after too many in a row."""
+    state, limit = run.state, run.config.train.max_skipped_in_a_row
+    state.num_skipped_steps += 1
+    norm = "-" if out.grad_norm is None else float(out.grad_norm)
+    logger.warning("step %d: loss %s, gradient norm %s: update skipped (%d in a row, %d in total)",
+                   state.global_step, float(out.loss), norm, in_a_row, state.num_skipped_steps)
+    if in_a_row >= limit:
+        raise diverged(run, f"{in_a_row} updates in a row had a nan or inf loss or gradient norm "
+                                       f"(train.max_skipped_in_a_row = {limit})")

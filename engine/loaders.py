@@ -1,0 +1,76 @@
+"""What the loaders take of a dataset: the columns the model's forward takes
+(``train.remove_unused_columns``, as Trainer) and each example's length (``group_by_length``)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+from .errors import ConfigError
+from .util import is_datasets_object, is_peft_model
+
+logger = logging.getLogger("engine")
+
+
+def forward_columns(model: torch.nn.Module, label_names: list[str]) -> list[str]:
+    """The example keys ``train.remove_unused_columns`` keeps, as Trainer's: the model's forward
+    arguments (a peft model's base model's), ``label``, ``label_ids`` and the label names."""
+    import inspect
+
+    if is_peft_model(model) and hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    return [*inspect.signature(model.forward).parameters, *dict.fromkeys(["label", "label_ids", *label_names])]
+
+
+def without_unused_columns(dataset: Any, collator: Callable[[list[Any]], Any], columns: list[str],
+                           model: torch.nn.Module, key: str) -> tuple[Any, Callable[[list[Any]], Any]]:
+    """``dataset`` and ``collator`` with the examples' keys outside ``columns`` dropped, as Trainer drops
+    them: a ``datasets.Dataset`` loses those columns (said once, for the train dataset: evaluation
+    loaders are made anew each time), other datasets' examples lose them in a wrapper around the
+    collator (transformers' RemoveColumnsCollator, which tells transformers' logger as under Trainer)."""
+    import datasets
+    from transformers.trainer_utils import RemoveColumnsCollator
+
+    name = type(model).__name__
+    if not isinstance(dataset, datasets.Dataset):
+        return dataset, RemoveColumnsCollator(collator, columns, logging.getLogger("transformers.trainer"), name, key)
+    unused = [column for column in dataset.column_names if column not in columns]
+    if not unused:
+        return dataset, collator
+    if len(unused) == len(dataset.column_names):
+        raise ConfigError(f"train.remove_unused_columns: no column of the {key} ({', '.join(unused)}) is an "
+                          f"argument of {name}.forward; rename them, or set train.remove_unused_columns = false")
+    logger.log(logging.INFO if key == "train dataset" else logging.DEBUG,
+               "%s: columns %s are no argument of %s.forward: left out (train.remove_unused_columns)",
+               key, ", ".join(unused), name)
+    return dataset.remove_columns(unused), collator
+
+
+def example_lengths(dataset: Any, column: str, input_name: str) -> list[int]:
+    """Each example's length for ``train_sampling_strategy = "group_by_length"``: the dataset's
+    ``column`` (``train.length_column_name``) when it has one, else the length of its ``input_name``."""
+    if is_datasets_object(dataset):
+        names = list(dataset.column_names)
+        if column in names:
+            lengths = list(dataset[column])
+            for index, length in enumerate(lengths):
+                if not isinstance(length, int) or isinstance(length, bool) or length < 0:
+                    got = "null" if length is None else f"{type(length).__name__} {length!r}"
+                    raise ConfigError(f"train.length_column_name: column {column!r} of the train dataset holds "
+                                      f"{got} in row {index} (counted from 0), expected each example's length "
+                                      "(an int >= 0); fix the column, or name another")
+            return lengths
+        if input_name in names:
+            import pyarrow.compute as pc
+
+            return pc.list_value_length(dataset.with_format("arrow")[input_name]).to_pylist()
+    else:
+        from collections.abc import Mapping
+
+        first = dataset[0]
+        if isinstance(first, Mapping) and input_name in first:
+            return [len(dataset[index][input_name]) for index in range(len(dataset))]
+    raise ConfigError(f"train.train_sampling_strategy = \"group_by_length\": the train examples have no "
+                      f"{input_name!r} to measure, and the dataset no {column!r} column (train.length_column_name)")

@@ -1,0 +1,158 @@
+"""The tooling's commands: ``engine migrate``, ``engine report``, ``engine plugins new`` /
+``--check``, and ``--accelerate-config`` on the commands that compose a run.
+
+A plugin of the entry-point group ``engine.commands`` (the engine's pyproject.toml), asked by
+every ``engine`` command line through ``register_commands``, ``add_run_arguments`` and
+``edit_run_config``. Only argparse loads here: each command imports its code when it runs, so
+``engine --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from typing import Any, Callable
+
+from engine import hookimpl
+from engine.errors import ConfigError
+
+SIZE_RANGE = (100, 4000)  # pixels per side of a curve: legible, and a figure's memory stays bounded
+
+
+@hookimpl
+def register_commands(commands: Any) -> None:
+    _add_plugin_tools(commands.choices["plugins"])
+    migrate = commands.add_parser("migrate", help=(
+        "write a run file from transformers TrainingArguments (a to_json_string() dump); the report of what "
+        "was mapped, and of what has no counterpart, goes to stderr"))
+    migrate.add_argument("arguments", metavar="ARGS.json", help="TrainingArguments.to_json_file() output")
+    migrate.add_argument("-o", "--output", metavar="RUN.toml", help="write the run file here (default: stdout)")
+    migrate.add_argument("--force", action="store_true", help="overwrite an existing -o file")
+    migrate.set_defaults(handler=_migrate)
+    report = commands.add_parser("report", help=(
+        "write report.md, report.html and curves (report-*.png) for a run's output_dir; for several, one "
+        "report comparing them (curves overlaid, differing config keys, final metrics)"))
+    report.add_argument("output_dirs", nargs="+", metavar="OUTPUT_DIR", help="a run's train.output_dir")
+    report.add_argument("--out", metavar="DIR", help=(
+        "where the report goes (default: the output_dir of one run; the current folder for several)"))
+    report.add_argument("--size", default="800x450", metavar="WxH", help="size of each curve in pixels")
+    report.add_argument("--no-plots", action="store_true", help="no curves (report.md and report.html only)")
+    report.set_defaults(handler=_report)
+
+
+@hookimpl
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--accelerate-config", metavar="FILE.yaml", help=(
+        "map an Accelerate config file (distributed_type, fsdp_config, deepspeed_config, mixed_precision, "
+        "...) onto the strategy plugins; engine plan shows the mapping"))
+
+
+@hookimpl
+def edit_run_config(raw: dict[str, Any], args: argparse.Namespace) -> tuple[str, list[str]] | None:
+    path = getattr(args, "accelerate_config", None)
+    if not path:
+        return None
+    from engine.tooling import accelerate_config
+
+    edited, mapping = accelerate_config.apply(raw, path)
+    raw.clear()
+    raw.update(edited)
+    return f"accelerate config {mapping.source}", mapping.lines
+
+
+# ---------------------------------------------------------------------------- engine plugins new / --check
+
+
+def _add_plugin_tools(plugins: argparse.ArgumentParser) -> None:
+    """``--check``, ``new NAME --kind --dir`` on ``engine plugins``, which otherwise lists plugins."""
+    plugins.add_argument("--check", metavar="PATH_OR_MODULE", help=(
+        "inspect a plugin (a project folder, a module file or a module name): entry point, import, hooks "
+        "without @hookimpl, hook arguments that do not exist, options schema; exit status 1 on problems"))
+    plugins.add_argument("--kind", choices=("optimizer", "loss", "tracker", "callback"), help=(
+        "with new: the hooks to start from (default: callback)"))
+    plugins.add_argument("--dir", metavar="FOLDER", help="with new: where engine-NAME/ is written (default: here)")
+    list_plugins = plugins.get_default("handler")
+    plugins.set_defaults(handler=lambda args: _plugins(args, list_plugins))
+
+
+def _plugins(args: argparse.Namespace, list_plugins: Callable[[argparse.Namespace], int]) -> int:
+    words = args.words
+    if words[:1] == ["new"]:
+        if len(words) != 2 or args.check:
+            raise ConfigError("engine plugins new NAME [--kind KIND] [--dir FOLDER]: give one NAME")
+        return _new_plugin(words[1], args.kind or "callback", args.dir or ".")
+    if args.kind or args.dir:
+        raise ConfigError("engine plugins: --kind and --dir go with 'engine plugins new NAME'")
+    if args.check and len(words) <= 1:  # more words: the listing refuses them
+        return _check_plugin(args.check)
+    return list_plugins(args)
+
+
+def _new_plugin(name: str, kind: str, parent: str) -> int:
+    from pathlib import Path
+
+    from engine.tooling.authoring import scaffold
+
+    folder = scaffold(name, kind, Path(parent))
+    print(f"wrote {folder}: a {kind} plugin {name!r}. Next:\n"
+          f"  pip install -e '{folder}[test]'\n"
+          f"  pytest {folder}\n"
+          f"  engine plugins --check {folder}\n"
+          f"  engine plan --plugins +{name}")
+    return 0
+
+
+def _check_plugin(spec: str) -> int:
+    from engine.tooling.authoring import check_plugin
+
+    reports = check_plugin(spec)
+    print("\n".join(report.render() for report in reports))
+    return 1 if any(report.problems for report in reports) else 0
+
+
+# ---------------------------------------------------------------------------- engine migrate
+
+
+def _migrate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from engine.tooling.migration import migrate, read_arguments
+
+    output = Path(args.output) if args.output else None
+    if output is not None and output.exists() and not args.force:
+        raise ConfigError(f"-o {output}: the file exists; pass --force to overwrite it")
+    migration = migrate(read_arguments(args.arguments), source=args.arguments)
+    if output is None:
+        sys.stdout.write(migration.toml())
+    else:
+        try:
+            output.write_text(migration.toml(), encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"-o {output}: cannot write: {exc.strerror}") from None
+    print(migration.report(), file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------------- engine report
+
+
+def _report(args: argparse.Namespace) -> int:
+    from engine.builtin.report_writer import write_report
+
+    size = parse_size(args.size)
+    out = args.out if args.out is not None or len(args.output_dirs) == 1 else "."
+    path = write_report(args.output_dirs, out, size=size, plots=not args.no_plots)
+    print(f"wrote {path} and {path.with_suffix('.html')}")
+    return 0
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    """``"800x450"`` -> (800, 450); a ConfigError naming ``--size`` otherwise."""
+    low, high = SIZE_RANGE
+    sides = re.fullmatch(r"(\d{1,9})x(\d{1,9})", text.lower(), re.ASCII)
+    if sides is None or not all(low <= int(side) <= high for side in sides.groups()):
+        shown = text if len(text) <= 40 else text[:37] + "..."
+        raise ConfigError(f"--size: expected WIDTHxHEIGHT in pixels, each from {low} to {high} (e.g. 800x450), "
+                          f"got {shown!r}")
+    return int(sides[1]), int(sides[2])
