@@ -50,9 +50,12 @@ case "${1:-}" in
     setup) setup ;;
     # the demo starts afresh each time; a plain `engine train` refuses to overwrite another run
     run) setup; shift; "$VENV/bin/engine" train --set train.overwrite_output_dir=true "$@" ;;
-    # one process; ./dev.sh test -n 2 --dist loadfile runs two workers, a test file each (~22 instead
-    # of ~36 min on 2 cores), but tests/test_wheelhouse.py failed once that way (cause not found yet)
-    test) setup; shift; "$PY" -m pytest tests contrib plugins "$@" ;;
+    # two workers, a test file each; then the tests marked "alone" (the offline wheelhouse) by themselves.
+    # With arguments: pytest with those arguments, in one process
+    test) setup; shift
+        if [ $# -gt 0 ]; then exec "$PY" -m pytest "$@"; fi
+        "$PY" -m pytest -n 2 --dist loadfile -m "not alone" tests contrib plugins
+        "$PY" -m pytest -m alone tests contrib plugins ;;
     wheels) setup; shift; "$PY" scripts/wheelhouse.py "$@" ;;
     *) echo "usage: ./dev.sh setup|run|test|wheels [args]" >&2; exit 2 ;;
 esac
