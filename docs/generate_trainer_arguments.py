@@ -1,4 +1,4 @@
-"""Write docs/trainer-arguments.md from the table in engine/trainer_args.py.
+"""Write docs/trainer-arguments.md from the table in engine/builtin/trainer_args.py.
 
     python docs/generate_trainer_arguments.py      # rewrite docs/trainer-arguments.md
 tests/test_migrate.py fails when the file is out of date.
@@ -29,15 +29,19 @@ are left as commented keys to fill in."""
 
 
 def _row(name: str, answer) -> str:
+    from engine.builtin.trainer_args import answer_for
+
+    answer = answer_for(name)  # a field a plugin answers: the installed plugin's answer
     return f"| `{name}` | {answer.describe(name).replace('|', chr(92) + '|')} |"
 
 
 def render() -> str:
-    from engine.trainer_args import FIELDS, KINDS, LEGACY, SEQ2SEQ_FIELDS, TRANSFORMERS_VERSION
+    from engine.builtin.trainer_args import FIELDS, LEGACY, SEQ2SEQ_FIELDS, TRANSFORMERS_VERSION
+    from engine.kit.mappings import KINDS
 
     counts = ", ".join(f"{sum(a.kind == kind for a in FIELDS.values())} {kind}" for kind in KINDS)
     lines = ["# TrainingArguments in the engine", "",
-             "Generated from `engine/trainer_args.py` by `python docs/generate_trainer_arguments.py`; do not edit.",
+             "Generated from `engine/builtin/trainer_args.py` by `python docs/generate_trainer_arguments.py`; do not edit.",
              "", INTRO, "",
              f"## The {len(FIELDS)} fields of transformers {TRANSFORMERS_VERSION}", "", f"{counts}.", "",
              "| field | answer |", "| --- | --- |"]
