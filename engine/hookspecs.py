@@ -68,7 +68,7 @@ TOOLING_HOOKS = ("register_commands", "add_run_arguments", "edit_run_config", "t
 # Hooks every run needs answered: blocking the builtin that answers one ("-builtin.steps" in
 # ``plugins``) without enabling another plugin that does is refused while the run is composed.
 REQUIRED_HOOKS = ("create_strategy", "create_datasets", "create_optimizer", "create_scheduler", "training_step",
-                  "compute_loss", "checkpoint_weights")
+                  "compute_loss", "checkpoint_weights", "evaluate", "predict", "prediction_step")
 # firstresult hooks that one enabled plugin at most answers besides the builtin default: two are
 # refused while the run is composed, naming both (neither could silently win).
 SINGLE_ANSWER_HOOKS = ("checkpoint_weights",)

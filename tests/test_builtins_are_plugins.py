@@ -139,6 +139,8 @@ def test_the_command_line_blocks_a_builtin_and_lifts_a_block():
     (["-builtin.optimizers"], "'-builtin.optimizers' leaves no plugin answering create_optimizer"),
     (["-builtin.strategies"], "'-builtin.strategies' leaves no plugin answering create_strategy"),
     (["-builtin.data"], "'-builtin.data' leaves no plugin answering create_datasets"),
+    # Run.evaluate would answer None instead of metrics
+    (["-builtin.evaluation"], "'-builtin.evaluation' leaves no plugin answering evaluate"),
     (["-builtin.nothing"], "unknown plugin 'builtin.nothing'"),
     (["lion", "-lion"], "plugins: 'lion' is both enabled and blocked ('-lion'); keep one"),
 ])
