@@ -291,6 +291,15 @@ class PluginManager:
         return [impl.plugin_name for impl in reversed(getattr(self.pm.hook, hook_name).get_hookimpls())
                 if impl.plugin_name not in self.builtins and not (impl.wrapper or impl.hookwrapper)]
 
+    def check_blocked_keys(self, train: dict[str, Any]) -> None:
+        """A ``[train]`` key that a blocked builtin owns (its ``TRAIN_KEYS``) is refused: nothing would read it."""
+        for name in self.blocked:
+            owned = getattr(load_builtin(builtin_specs()[name]), "TRAIN_KEYS", ()) if name in builtin_specs() else ()
+            for key in owned:
+                if key in train:
+                    raise ConfigError(f"train.{key} is read by {name}, which this run blocks ('-{name}' in plugins); "
+                                      f"remove train.{key} or the block")
+
     def _check_blocks(self) -> None:
         """Each ``-name`` names a builtin or an installed plugin that the run does not also enable."""
         for name in self.blocked:

@@ -120,6 +120,7 @@ class Run:
         self.isolated_hooks = IsolatedHooks(self)  # the logging hooks and on_checkpoint_saved
         self.registries = self.plugin_manager.registries
         self.hook.check_raw_config(raw=raw)  # e.g. a TrainingArguments name in [train]: where it goes
+        self.plugin_manager.check_blocked_keys(raw.get("train") or {})
         self.config = cfg.compose(raw, self.plugin_manager.option_schemas())
         _resolve_defaults(self.config.train)
         _check_values(self.config.train)

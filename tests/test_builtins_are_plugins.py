@@ -232,3 +232,26 @@ def test_attributes_plugins_set_before_the_hooks_are_honoured_with_a_warning():
     from engine.builtin.models import load_kwargs
 
     assert load_kwargs(run) == {"low_cpu_mem_usage": True}
+
+
+@pytest.mark.parametrize("block, key", [("builtin.flow", "eval_steps"), ("builtin.best_model", "load_best_model_at_end"),
+                                        ("builtin.sigterm", "enable_jit_checkpoint"),
+                                        ("builtin.memory", "torch_empty_cache_steps")])
+def test_a_train_key_of_a_blocked_builtin_is_refused_naming_the_key_and_the_block(block, key):
+    """Nothing would read it: a run that blocks the flow schedule and sets eval_steps would silently never evaluate."""
+    with pytest.raises(ConfigError, match=re.escape(f"train.{key} is read by {block}, which this run blocks")):
+        Run({"plugins": [f"-{block}"], "train": {key: 1}})
+
+
+def test_every_owned_train_key_is_a_key_and_has_one_owner():
+    import dataclasses
+
+    from engine.config import TrainConfig
+
+    owners = {}
+    for name, spec in builtin_specs().items():
+        for key in getattr(load_builtin(spec), "TRAIN_KEYS", ()):
+            assert key not in owners, f"train.{key} declared by {owners.get(key)} and {name}"
+            owners[key] = name
+    assert set(owners) <= {field.name for field in dataclasses.fields(TrainConfig)}
+    assert len(owners) >= 20

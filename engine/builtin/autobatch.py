@@ -69,6 +69,8 @@ class Start:
 class AutoBatch:
     """One instance per run: the run as it started."""
 
+    TRAIN_KEYS = ("auto_find_batch_size",)  # the [train] keys it owns
+
     def __init__(self):
         self.start: Start | None = None
 

@@ -112,6 +112,9 @@ def load_best_model(run: RunView) -> None:
 class BestModel:
     """One instance per run: whether evaluations are candidates yet (the loop's, not eval_on_start's)."""
 
+    # the [train] keys it owns
+    TRAIN_KEYS = ("metric_for_best_model", "greater_is_better", "load_best_model_at_end", "save_total_limit")
+
     strict = True  # a failed rotation ends the run, as it did when the save itself rotated
 
     def __init__(self):

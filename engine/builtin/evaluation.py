@@ -27,6 +27,9 @@ from engine.metrics import EvalPrediction
 from engine.state import EpochSampler, PredictionOutput, RunView
 from engine.util import call_user
 
+# the [train] keys this builtin owns
+TRAIN_KEYS = ("include_for_metrics", "batch_eval_metrics", "prediction_loss_only")
+
 
 @hookimpl(trylast=True)
 def evaluate(run: RunView, dataset: Any, prefix: str, report: bool, in_training: bool) -> dict[str, float]:

@@ -24,6 +24,10 @@ from engine import hookimpl
 class Flow:
     """One instance per run: the intervals, read once at the start of training (0: not by steps)."""
 
+    # the [train] keys it owns
+    TRAIN_KEYS = ("logging_strategy", "logging_steps", "logging_first_step", "eval_strategy", "eval_steps", "eval_delay",
+                  "save_strategy", "save_steps")
+
     def __init__(self):
         self.log_every = self.eval_every = self.save_every = 0
         self.log_first = False

@@ -24,6 +24,9 @@ from engine.state import RunView
 class PredictWithGenerate:
     """Per run: the generation settings of the current pass, read at its first batch."""
 
+    # the [train] keys it owns
+    TRAIN_KEYS = ("predict_with_generate", "generation_max_length", "generation_num_beams", "generation_config")
+
     def __init__(self) -> None:
         self.settings: Generation | None = None
         self.pad_id = 0

@@ -88,6 +88,8 @@ def finish(run: Any, tracker: MemoryTracker | None, metrics: dict[str, Any] | No
 class Memory:
     """One instance per run: the training stage's tracker, and how often to empty the device cache."""
 
+    TRAIN_KEYS = ("skip_memory_metrics", "torch_empty_cache_steps")  # the [train] keys it owns
+
     def __init__(self):
         self.tracker: MemoryTracker | None = None
         self.empty_cache_every = 0

@@ -26,6 +26,8 @@ from engine.errors import TrainingPreempted
 class Sigterm:
     """One instance per run: the handler installed for training, and whether the signal came."""
 
+    TRAIN_KEYS = ("enable_jit_checkpoint",)  # the [train] keys it owns
+
     def __init__(self):
         self.installed = False
         self.received = False
