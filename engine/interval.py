@@ -1,4 +1,4 @@
-"""The loop's logging interval: each step's loss and gradient norm kept as tensors until the loop reads
+"""The loop's logging interval: each step's loss and gradient norm kept on the device until the loop reads
 them anyway, their sums over the interval and the run, the input tokens seen, skipped updates, and
 the divergence check (a nan or inf found there stops the run with ``TrainingDiverged``)."""
 
@@ -20,9 +20,12 @@ logger = logging.getLogger("engine")
 class Interval:
     """Sums over the current logging interval, and the divergence check.
 
-    Each step's loss and gradient norm stay tensors (no host sync per step) until the loop
+    Each step's loss and gradient norm stay on the device (no host sync per step) until the loop
     reads them anyway: a log step, an evaluation, a save, the end (or every ``READ_EVERY``
-    steps). There they are read in one go and checked: the first nan or inf is kept, and
+    steps). They are copied into one preallocated buffer each: keeping every step's own small
+    tensor alive instead pinned a fresh spot of the heap per step, and the allocator then paid
+    about a hundred page faults a step on the CPU (1.5 ms of a 27 ms step). At a read they
+    are read in one go and checked: the first nan or inf is kept, and
     :meth:`stop_if_diverged` raises it. With fp16 loss scaling, non-finite gradient norms are
     the scaler's business (it skips those steps), so only the loss counts then.
     """
@@ -36,7 +39,10 @@ class Interval:
         self.log_skipped = run.config.train.on_nonfinite == "skip"
         self.log_tokens_seen = run.config.train.include_num_input_tokens_seen != "no"
         self.non_padding = run.config.train.include_num_input_tokens_seen == "non_padding"  # a tensor sum: no host sync
-        self.pending: list[tuple[int, torch.Tensor, Any]] = []
+        self.pending_steps: list[int] = []
+        self.pending_norms: list[Any] = []  # a number, None, or _ON_DEVICE (the norm is in self.norms)
+        self.losses: torch.Tensor | None = None  # READ_EVERY slots, allocated at the first step
+        self.norms: torch.Tensor | None = None
         self.divergence: tuple[str, int] | None = None
         self.count = 0  # steps since the last flush, skipped ones included
         self.loss = 0.0
@@ -55,19 +61,31 @@ class Interval:
             _note_skipped(self.run, out, self.skipped_in_a_row)
             return
         self.skipped_in_a_row = 0
-        self.pending.append((self.state.global_step, out.loss.detach(), out.grad_norm))
-        if len(self.pending) >= self.READ_EVERY:
+        slot = len(self.pending_steps)
+        self.losses = _slots(self.losses, out.loss, self.READ_EVERY)
+        self.losses[slot].copy_(out.loss.detach())
+        norm = out.grad_norm
+        if isinstance(norm, torch.Tensor):
+            self.norms = _slots(self.norms, norm, self.READ_EVERY)
+            self.norms[slot].copy_(norm.detach())
+            norm = _ON_DEVICE
+        self.pending_steps.append(self.state.global_step)
+        self.pending_norms.append(norm)
+        if slot + 1 >= self.READ_EVERY:
             self.read()
 
     def read(self) -> None:
         """Move the pending values to the host (one sync) and look for the first non-finite one."""
-        if not self.pending:
+        count = len(self.pending_steps)
+        if not count:
             return
-        steps, losses, norms = zip(*self.pending)
-        self.pending = []
+        steps, norms = self.pending_steps, self.pending_norms
+        self.pending_steps, self.pending_norms = [], []
         # the mean over processes: every process logs and decides on the same numbers
-        loss_values = self.run.strategy.reduce(torch.stack([loss.float() for loss in losses]), "mean").tolist()
-        norm_values = _host_values(norms)
+        loss_values = self.run.strategy.reduce(self.losses[:count].clone(), "mean").tolist()
+        on_device = self.norms[:count].tolist() if _ON_DEVICE in norms else None
+        norm_values = [on_device[i] if norm is _ON_DEVICE else None if norm is None else float(norm)
+                       for i, norm in enumerate(norms)]
         for step, loss, norm in zip(steps, loss_values, norm_values):
             if self.divergence is not None:
                 break
@@ -125,14 +143,12 @@ class Interval:
         return round((self.total_loss + self.loss) / steps, 6) if steps else float("nan")
 
 
-def _host_values(values: tuple[Any, ...]) -> list[float | None]:
-    """Floats for tensors (read in one sync), numbers and None."""
-    out = [None if v is None or isinstance(v, torch.Tensor) else float(v) for v in values]
-    tensors = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
-    if tensors:
-        for i, value in zip(tensors, torch.stack([values[i].float() for i in tensors]).tolist()):
-            out[i] = value
-    return out
+_ON_DEVICE = object()  # a pending gradient norm that is in Interval.norms
+
+
+def _slots(buffer: torch.Tensor | None, value: torch.Tensor, size: int) -> torch.Tensor:
+    """``buffer``, or (at the first step) ``size`` float32 slots on ``value``'s device."""
+    return torch.empty(size, dtype=torch.float32, device=value.device) if buffer is None else buffer
 
 
 def _note_skipped(run: RunView, out: Any, in_a_row: int) -> None:

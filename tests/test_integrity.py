@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 import engine.checkpoint as ckpt
 from engine import CheckpointError, ConfigError, Run, TrainingDiverged, hookimpl
 from engine.config import to_toml
+from engine.kit.checkpoint import check_model_folder
 from engine.builtin.data.collators import DataCollator
 from engine.layout import FINAL_MARKER, FINAL_TMP, LOCK, MARKER, RECORD
 from engine.testing import tiny_dataset, tiny_model
@@ -306,6 +307,25 @@ def test_the_first_nonfinite_step_is_named_and_nothing_after_it_is_saved(tmp_pat
     assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["checkpoint-1", "checkpoint-2"]
 
 
+def test_losses_kept_on_the_device_are_read_the_same_in_several_rounds(tmp_path, monkeypatch):
+    """The interval's buffer read every 3 steps (its slots reused) logs what one read at the log step logs, and
+    names the same first non-finite step when it lies in a later round."""
+    from engine.interval import Interval
+
+    train = {"max_steps": 8, "logging_steps": 4, "save_strategy": "no"}
+    once = _run(tmp_path / "once", train)
+    once.train()
+    monkeypatch.setattr(Interval, "READ_EVERY", 3)
+    rounds = _run(tmp_path / "rounds", train)
+    rounds.train()
+    logged = [(e["step"], e["loss"], e["grad_norm"]) for e in rounds.state.log_history if "loss" in e]
+    assert logged == [(e["step"], e["loss"], e["grad_norm"]) for e in once.state.log_history if "loss" in e]
+    assert len(logged) == 2
+    poisoned = _run(tmp_path / "poisoned", train, objects=[Poison([5, 7])])
+    with pytest.raises(TrainingDiverged, match=r"training diverged at step 5: the loss is nan"):
+        poisoned.train()
+
+
 def test_skip_policy_trains_through_nonfinite_steps_and_counts_them(tmp_path):
     poison = Poison([3, 5])
     run = _run(tmp_path, {"max_steps": 8, "on_nonfinite": "skip", "optim": "adamw_torch"}, objects=[poison])
@@ -587,7 +607,7 @@ def test_a_final_save_killed_half_way_is_rolled_back(tmp_path):
     shutil.move(tmp_path / FINAL_MARKER, tmp / FINAL_MARKER)
     (tmp / "model.safetensors").unlink()  # this one had been moved
     with pytest.raises(ConfigError, match="holds no complete final model"):
-        ckpt.check_model_folder(tmp_path, "train.model")
+        check_model_folder(tmp_path, "train.model")
     _run(tmp_path, {"max_steps": 2, "resume_from_checkpoint": True, "save_final_model": False}).train()
     assert not tmp.exists() and not (tmp_path / "model.safetensors").exists()
 
