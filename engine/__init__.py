@@ -31,7 +31,7 @@ _LAZY = {
     "TrainState": "engine.state",
     "Control": "engine.state",
     "Strategy": "engine.strategy",
-    "ModelWeights": "engine.checkpoint",
+    "ModelWeights": "engine.kit.checkpoint",
     "EvalPrediction": "engine.metrics",
     "TrainConfig": "engine.config",
     "DataConfig": "engine.config",

@@ -70,19 +70,6 @@ UNSUPPORTED_OPTIMIZERS = {
 }
 
 
-# What a first-party plugin answers for `engine migrate` and `--accelerate-config` (its hooks
-# trainer_argument_mappings and accelerate_mappings): asked when installed, else named with its extra.
-TRAINER_FIELDS = {  # TrainingArguments field -> the plugin that answers it
-    "fsdp": "fsdp", "fsdp_config": "fsdp", "deepspeed": "deepspeed", "ddp_find_unused_parameters": "ddp",
-    "ddp_bucket_cap_mb": "ddp", "ddp_broadcast_buffers": "ddp", "ddp_static_graph": "ddp",
-    "use_liger_kernel": "liger", "liger_kernel_config": "liger", "neftune_noise_alpha": "neftune",
-    "project": "trackio", "trackio_space_id": "trackio", "trackio_bucket_id": "trackio",
-    "trackio_static_space_id": "trackio", "push_to_hub": "hub", "hub_token": "hub", "hub_private_repo": "hub",
-    "hub_model_id": "hub", "hub_strategy": "hub", "hub_always_push": "hub", "hub_revision": "hub",
-    "logging_dir": "tensorboard",
-}
-ACCELERATE_KEYS = {"fsdp_config": "fsdp", "deepspeed_config": "deepspeed"}  # Accelerate config key -> plugin
-ACCELERATE_STRATEGIES = {"MULTI_GPU": "ddp", "MULTI_CPU": "ddp", "FSDP": "fsdp", "DEEPSPEED": "deepspeed"}
 # train.resume_from_checkpoint names a first-party plugin fetches -> that plugin
 CHECKPOINT_SOURCES = {"hub": "hub"}
 # Run(model=<a peft model>): its checkpoints hold the adapter only, so the plugin that saves and loads them

@@ -21,9 +21,10 @@ Layout (Hugging Face compatible)::
     output_dir/                           the final model: the same model files, and
         model_complete                    its manifest, written last
 
-Which weights are saved, in which files, is ``run.weights`` (:class:`ModelWeights`, the answer to the
-``checkpoint_weights`` hook): every weight in the layout above, or the part a plugin selects (peft's
-adapter, in its own layout).
+Which weights are saved, in which files, is ``run.weights`` (:class:`engine.ModelWeights`, the
+answer to the ``checkpoint_weights`` hook): every weight in the layout above, or the part a plugin
+selects (peft's adapter, in its own layout). Writing, reading and checking model folders is
+:mod:`engine.kit.checkpoint`'s; this module checks the weights files a checkpoint holds.
 
 Crash safety: a checkpoint is written into ``.tmp-checkpoint-<step>`` and renamed into place,
 so a folder named ``checkpoint-<step>`` is always complete (the manifest guards against copies).
@@ -68,7 +69,6 @@ from .layout import (
     FINAL_TMP,
     MARKER,
     PREFIX,
-    RECORD,
     TMP,
     WEIGHTS,
     WEIGHTS_INDEX,
@@ -316,79 +316,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
                                 np_state["has_gauss"], np_state["gauss"]))
 
 
-# ---------------------------------------------------------------------------- model files
-
-
-def _unique_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop names that alias a tensor already kept (tied weights): safetensors refuses them."""
-    seen, out = set(), {}
-    for name, tensor in state_dict.items():
-        key = (tensor.data_ptr(), tensor.shape, tensor.stride())
-        if key not in seen:
-            seen.add(key)
-            out[name] = tensor.contiguous()
-    return out
-
-
-@contextlib.contextmanager
-def quiet_transformers():
-    """No "Writing model shards" progress bar in the middle of training output."""
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
-
-
-def write_model(run: RunView, folder: Path, model_state: dict[str, torch.Tensor]) -> None:
-    """Weights (HF ``save_pretrained`` layout when the model has it) and tokenizer into ``folder``."""
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    if hasattr(run.model, "save_pretrained"):
-        with quiet_transformers():
-            run.model.save_pretrained(folder, state_dict=model_state, safe_serialization=True)
-    else:
-        save_file(_unique_tensors(model_state), str(folder / WEIGHTS))
-    if hasattr(run.tokenizer, "save_pretrained"):
-        run.tokenizer.save_pretrained(folder)
-
-
-class ModelWeights:
-    """Which of the model's weights a checkpoint and the final model hold, and how they are written and read.
-
-    ``run.weights`` is one of these: the answer to the ``checkpoint_weights`` hook, asked once after
-    ``configure``. The default (``builtin.weights``) holds every weight: ``save_pretrained``'s layout
-    for HF models (``model.safetensors``), the safetensors file alone for other modules. A plugin
-    that trains a part of a frozen model (peft adapters) answers with a subclass: its checkpoints are then complete with the files
-    :meth:`files` names (checksummed like any other), and resume, ``load_best_model_at_end`` and
-    ``engine evaluate --checkpoint`` read them back through :meth:`load`. Strategies that write
-    sharded or engine-specific files (FSDP, DeepSpeed) do not consult it.
-    """
-
-    def select(self, run: RunView, model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The part of the full state dict that is saved (checked finite first)."""
-        return model_state
-
-    def files(self, folder: Path) -> tuple[str, ...]:
-        """The weight files :meth:`write` put into ``folder`` (required to resume from it)."""
-        return (WEIGHTS_INDEX if (folder / WEIGHTS_INDEX).is_file() else WEIGHTS,)
-
-    def write(self, run: RunView, folder: Path, state: dict[str, torch.Tensor]) -> None:
-        """Write the selected ``state`` (and the tokenizer) into a checkpoint ``folder``."""
-        write_model(run, folder, state)
-
-    def write_final(self, run: RunView, folder: Path, state: dict[str, torch.Tensor]) -> None:
-        """Write the final model into ``folder`` (its files are then moved into output_dir)."""
-        self.write(run, folder, state)
-
-    def load(self, run: RunView, model: torch.nn.Module, folder: Path, device: Any) -> None:
-        """Load what :meth:`write` saved in ``folder`` into ``model``; a mismatch is a CheckpointError."""
-        load_weights(model, folder, device)
+# ---------------------------------------------------------------------------- weights files
 
 
 def check_finite_weights(run: RunView, model_state: dict[str, torch.Tensor], what: str) -> None:
@@ -416,7 +344,7 @@ def diverged(run: RunView, what: str, step: int | None = None) -> TrainingDiverg
                             f"{kept}. Lower train.learning_rate (or raise the warmup){skip}")
 
 
-def _weight_files(folder: Path) -> list[Path]:
+def weight_files(folder: Path) -> list[Path]:
     """The safetensors files of a model folder (one file, or the shards an index names)."""
     index_path = folder / WEIGHTS_INDEX
     if not index_path.is_file():
@@ -437,7 +365,7 @@ _DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M
                 "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8, "C64": 8}
 
 
-def _check_safetensors(path: Path) -> None:
+def check_safetensors(path: Path) -> None:
     """Refuse a missing, truncated or malformed safetensors file from its header, without loading it."""
     if not path.is_file():
         raise CheckpointError(f"{path.parent}: {path.name} is missing")
@@ -482,102 +410,6 @@ def _tensor_entry_problem(entry: Any) -> str | None:
     if offsets[1] - offsets[0] != math.prod(shape) * _DTYPE_BYTES[dtype]:
         return f"of shape {shape} {dtype} does not fill its {offsets[1] - offsets[0]} bytes"
     return None
-
-
-_CHECKED_FOLDERS: set[tuple[Any, ...]] = set()  # model folders found intact, by the stat of their files
-
-
-def _folder_stamp(folder: Path) -> tuple[Any, ...]:
-    """The folder and the name, size and modification time of each file in it: changes when any file does."""
-    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir() if p.is_file())
-    return (os.path.realpath(folder), *files)
-
-
-def check_model_folder(folder: Path, key: str) -> None:
-    """Refuse a model folder (``key`` names where it came from) whose weights are missing or damaged.
-
-    A folder the engine wrote is checked against its manifest (sizes and checksums); any other
-    must have config.json and weights, checked against their safetensors headers. A run folder
-    whose final save did not finish is refused. A folder found intact is not read again while its
-    files stay as they were (configure, the task and the model build each ask: checksums read
-    every byte of the weights).
-    """
-    stamp = _folder_stamp(folder) if folder.is_dir() else None
-    if stamp is not None and stamp in _CHECKED_FOLDERS:
-        return
-    _check_model_folder(folder, key)
-    if stamp is not None:
-        _CHECKED_FOLDERS.add(stamp)
-
-
-def _check_model_folder(folder: Path, key: str) -> None:
-    for marker in (FINAL_MARKER, MARKER):
-        if (folder / marker).is_file():
-            try:  # the model's files; a checkpoint's optimizer and other state files are not read
-                files = read_manifest(folder, marker)["files"]
-                verify_manifest(folder, marker, [name for name in files if not name.endswith(".pt")])
-            except CheckpointError as exc:
-                raise CheckpointError(f"{key}: {exc}") from None
-            return
-    if (folder / RECORD).is_file() or (folder / FINAL_TMP).exists():
-        saved = list_checkpoints(folder)
-        hint = f"; use one of its checkpoints, e.g. {saved[-1]}" if saved else ""
-        raise ConfigError(f"{key}: {folder} holds no complete final model (the run's save did not finish){hint}")
-    if not (folder / "config.json").is_file():
-        raise ConfigError(f"{key}: folder {folder} has no config.json")
-    names = ("model.safetensors", WEIGHTS_INDEX, "pytorch_model.bin", "pytorch_model.bin.index.json")
-    if not any((folder / name).is_file() for name in names):
-        raise ConfigError(f"{key}: {folder} has config.json but no weights ({', '.join(names)}); to train from "
-                          f"random weights, name the config file: train.model = '{folder / 'config.json'}'")
-    if (folder / WEIGHTS).is_file() or (folder / WEIGHTS_INDEX).is_file():
-        for path in _weight_files(folder):
-            try:
-                _check_safetensors(path)
-            except CheckpointError as exc:
-                raise CheckpointError(f"{key}: {exc}") from None
-
-
-def read_weights(model: torch.nn.Module, folder: str | Path, device: Any = "cpu") -> dict[str, torch.Tensor]:
-    """A model folder's safetensors weights, checked against ``model``: one tensor per name of its state dict.
-
-    Tied weights are stored once: a name missing from the files is filled from the stored name
-    it shares its tensor with. Names that are missing or unexpected are a CheckpointError.
-    """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    folder = Path(folder)
-    state: dict[str, torch.Tensor] = {}
-    for path in _weight_files(folder):
-        _check_safetensors(path)
-        try:
-            state.update(load_file(str(path), device=str(device)))
-        except (SafetensorError, OSError) as exc:
-            raise CheckpointError(f"checkpoint {folder}: cannot load {path.name}: {exc}") from None
-    tied: dict[int, list[str]] = {}
-    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        tied.setdefault(id(tensor), []).append(name)
-    for names in tied.values():
-        stored = next((name for name in names if name in state), None)
-        for name in names:
-            if stored is not None and name not in state:
-                state[name] = state[stored]
-    expected = model.state_dict().keys()
-    missing = [name for name in expected if name not in state]
-    unexpected = [name for name in state if name not in expected]
-    if missing or unexpected:
-        raise CheckpointError(f"checkpoint {folder}: weights do not match the model (missing "
-                              f"{missing[:5] or 'none'}, unexpected {unexpected[:5] or 'none'})")
-    return state
-
-
-def load_weights(model: torch.nn.Module, folder: str | Path, device: Any = "cpu") -> None:
-    """Load a checkpoint's or a final model's safetensors weights into ``model`` (strict)."""
-    state = read_weights(model, folder, device)
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as exc:  # shape mismatch: a different model config
-        raise CheckpointError(f"checkpoint {folder}: weights do not fit the model: {exc}") from None
 
 
 # ---------------------------------------------------------------------------- save
@@ -743,28 +575,6 @@ def check_resume_spec(config: RunConfig) -> None:
                           f"--plugins +{plugin}")
 
 
-# peft's adapter layout (a LoRA checkpoint holds these instead of the whole model)
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
-
-
-def check_weights_kind(run: RunView, folder: Path, key: str) -> None:
-    """Refuse a folder whose weights are not the kind this run loads (an adapter without the plugin that
-    loads adapters, a whole model with it), saying which it is and what to change."""
-    wanted = run.weights.files(folder)
-    if all((folder / name).exists() for name in wanted):
-        return
-    loads_adapters = set(ADAPTER_FILES) <= set(wanted)
-    if not loads_adapters and all((folder / name).is_file() for name in ADAPTER_FILES):
-        kind = "an adapter checkpoint" if (folder / MARKER).is_file() else "an adapter"
-        raise CheckpointError(f"{key}: {folder} is {kind} ({', '.join(ADAPTER_FILES)}: the adapter alone, not the "
-                              "whole model), which only the peft plugin loads; enable it with plugins = [\"peft\"] "
-                              "in the run file, or --plugins +peft")
-    if loads_adapters and any((folder / name).is_file() for name in (WEIGHTS, WEIGHTS_INDEX)):
-        raise CheckpointError(f"{key}: {folder} holds a whole model ({WEIGHTS}), and this run's plugins load "
-                              f"adapter files ({', '.join(wanted)}); use it without the adapter plugin (peft), or "
-                              f"train a new adapter on these weights with train.model = '{folder}'")
-
-
 def validate(run: RunView, path: Path) -> None:
     """Refuse a folder that is not a complete checkpoint of this run, naming what is wrong."""
     if not path.is_dir():
@@ -774,7 +584,7 @@ def validate(run: RunView, path: Path) -> None:
         raise CheckpointError(f"resume_from_checkpoint: can't resume from a save_only_model checkpoint: {path} holds "
                               "the model but no optimizer, scheduler or RNG state (train.save_only_model = true); "
                               "start a fresh run from its weights with train.model = its path")
-    check_weights_kind(run, path, "resume_from_checkpoint")
+    run.weights.check_kind(path, "resume_from_checkpoint")
     strategy_files = run.strategy.checkpoint_files(path)
     required = (MARKER, *REQUIRED, *strategy_files)
     missing = [name for name in required if not (path / name).exists()]
@@ -820,11 +630,11 @@ def validate(run: RunView, path: Path) -> None:
             f"or keep the weights and start {train.optim!r} fresh with train.reset_optimizer = true")
     try:
         if WEIGHTS in strategy_files or WEIGHTS_INDEX in strategy_files:
-            for weights_file in _weight_files(path):
-                _check_safetensors(weights_file)
+            for weights_file in weight_files(path):
+                check_safetensors(weights_file)
         for name in strategy_files:
             if name.endswith(".safetensors") and name != WEIGHTS:
-                _check_safetensors(path / name)
+                check_safetensors(path / name)
     except CheckpointError as exc:
         raise CheckpointError(f"checkpoint {exc}") from None
     for name in [*REQUIRED[1:], *(n for n in strategy_files if n.endswith(".pt")),

@@ -117,13 +117,13 @@ def _make_run(args: argparse.Namespace) -> Any:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .config import TrainConfig, apply_overrides
+    from .config import KernelTrainConfig, apply_overrides
     from .rundir import is_main_process, lock_output_dir
 
     # lock output_dir now, before torch loads: a folder another run holds is refused at once
     # (the run takes this lock over; a malformed value is left for the run to refuse)
     train = apply_overrides(_raw_config(args), args.sets).get("train", {})
-    output_dir = train.get("output_dir", TrainConfig.output_dir) if isinstance(train, dict) else None
+    output_dir = train.get("output_dir", KernelTrainConfig.output_dir) if isinstance(train, dict) else None
     lock = None
     if is_main_process() and isinstance(output_dir, str) and output_dir:
         lock = lock_output_dir(output_dir)
@@ -139,7 +139,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     import logging
     from pathlib import Path
 
-    from .checkpoint import check_model_folder, check_weights_kind, saved_progress
+    from .checkpoint import saved_progress
     from .errors import CheckpointError
     from .util import dumps_json, write_json
 
@@ -149,8 +149,7 @@ def _evaluate(args: argparse.Namespace) -> int:
         folder = Path(args.checkpoint)
         if not folder.is_dir():
             raise CheckpointError(f"--checkpoint: {args.checkpoint} is not a folder")
-        check_model_folder(folder, "--checkpoint")
-        check_weights_kind(run, folder, "--checkpoint")
+        run.weights.check_folder(folder, "--checkpoint")
         # the tokenizer those weights were trained with (when saved there), not one trained again on today's data
         run.tokenizer = run.hook.create_tokenizer(run=run, checkpoint=folder)
     run.setup()

@@ -11,6 +11,12 @@ A run is described by one mapping (a TOML file, a Python dict, or the embedded d
 Every section is a dataclass. :func:`from_mapping` checks a mapping against one: unknown keys
 and wrong types are :class:`~engine.errors.ConfigError` naming the key path and the expected
 type. Plugins declare their own section the same way (see ``hookspecs.plugin_options``).
+
+``[train]`` and ``[data]`` hold the keys the kernel reads (:class:`KernelTrainConfig`) and those each
+builtin declares beside its code: its plugin object (module or class) names a dataclass of
+:func:`option` fields as ``TRAIN_OPTIONS`` or ``DATA_OPTIONS`` (:data:`SECTION_OPTIONS`), e.g.
+``TRAIN_OPTIONS = FlowOptions`` in engine/builtin/flow.py. ``TrainConfig`` and ``DataConfig`` are
+assembled from them on first use; a builtin module reads them under ``TYPE_CHECKING`` only.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from typing import Any, Collection, Literal, Union
 
 import tomllib
 
-from .errors import ConfigError
+from .errors import ConfigError, PluginError
 from .util import decode_utf8, mask_secrets
 
 CORE_SECTIONS = ("train", "data")
@@ -40,7 +46,7 @@ START_KEYS = ("resume_from_checkpoint", "overwrite_output_dir", "reset_optimizer
 
 def option(default: Any = dataclasses.MISSING, *, help: str, default_factory: Any = dataclasses.MISSING,
            min: float | None = None, max: float | None = None, below: float | None = None,
-           nonempty: bool = False, secret: bool = False):
+           nonempty: bool = False, secret: bool = False, shared: bool = False):
     """A dataclass field with a help text (shown by ``engine plan`` and the docs) and its valid range.
 
     ``min`` / ``max`` bound a number inclusively, ``below`` exclusively from above; ``nonempty``
@@ -48,6 +54,8 @@ def option(default: Any = dataclasses.MISSING, *, help: str, default_factory: An
     ("train.adam_beta1: expected float in [0, 1), got 1.5"). Floats must be finite (no nan/inf).
     ``secret`` marks a credential (a token): :func:`to_mapping` shows a set value as
     :data:`SECRET_MASK`, so it never reaches the plan, ``hyperparams.json``, checkpoints or trackers.
+    A builtin's ``[train]`` option is refused while the run blocks that builtin (nothing would read it)
+    unless it is ``shared``: other plugins read it too (one answering the same hook in its place).
 
     Example::
 
@@ -55,14 +63,14 @@ def option(default: Any = dataclasses.MISSING, *, help: str, default_factory: An
         ratio: float = option(0.5, help="share of the tokens", min=0, max=1)
         token: str | None = option(None, help="access token", secret=True)
     """
-    bounds = {"min": min, "max": max, "below": below, "nonempty": nonempty, "secret": secret}
+    bounds = {"min": min, "max": max, "below": below, "nonempty": nonempty, "secret": secret, "shared": shared}
     return field(default=default, default_factory=default_factory,
                  metadata={"help": help, **{k: v for k, v in bounds.items() if v is not None and v is not False}})
 
 
 @dataclass
-class TrainConfig:
-    """``[train]``: the model, the optimizer and the loop. Names follow ``TrainingArguments``."""
+class KernelTrainConfig:
+    """The ``[train]`` keys the kernel itself reads; :data:`TrainConfig` adds the builtins' keys."""
 
     model: str = option("tiny-llama", nonempty=True, help=(
         "builtin config name (tiny-llama, small-llama), a local HF folder (from_pretrained), "
@@ -73,24 +81,11 @@ class TrainConfig:
         None, help=("what the model learns: the AutoModelFor... class of train.model, the data's columns and the "
                     "collator; default: the task of a model given in Python or named by its config's "
                     "architectures, else causal-lm"))
-    num_labels: int | None = option(None, min=1, help=(
-        "classification: number of classes (default: from id2label, the data's ClassLabel names, else the "
-        "largest label + 1; 1 for float labels: regression)"))
-    id2label: dict[str, str] | None = option(None, help=(
-        "classification: class names by id, {0 = \"neg\", 1 = \"pos\"} (default: the data's ClassLabel names)"))
-    label2id: dict[str, int] | None = option(None, help=(
-        "classification: class ids by name; string labels in the data are mapped with it"))
-    problem_type: Literal["single_label_classification", "multi_label_classification", "regression"] | None = \
-        option(None, help="sequence classification: the model's loss (default: the model's choice from the labels)")
     output_dir: str = option("output", nonempty=True, help="where metrics, checkpoints and the final model go")
     seed: int = option(42, min=0, max=2**32 - 1, help="seed for weights, data order and dropout")
     max_steps: int = option(-1, min=-1, help="total optimizer steps; > 0 overrides num_train_epochs")
     num_train_epochs: float = option(3.0, min=0, help="epochs to train when max_steps <= 0")
     per_device_train_batch_size: int = option(8, min=1, help="micro-batch size per device")
-    per_device_eval_batch_size: int = option(8, min=1, help="evaluation batch size per device")
-    auto_find_batch_size: bool = option(False, help=(
-        "on an out-of-memory error in a training step, start the run again with per_device_train_batch_size "
-        "x 0.9 (as Trainer through accelerate), until one fits; one process only"))
     gradient_accumulation_steps: int = option(1, min=1, help="micro-batches per optimizer step")
     # near 1e38 Adam's step size (lr / (1 - beta1)) overflows float32 before any loss is seen
     learning_rate: float = option(5e-5, min=0, max=1e30, help="peak learning rate")
@@ -98,7 +93,6 @@ class TrainConfig:
     adam_beta1: float = option(0.9, min=0, below=1, help="Adam beta1")
     adam_beta2: float = option(0.999, min=0, below=1, help="Adam beta2")
     adam_epsilon: float = option(1e-8, min=0, help="Adam epsilon")
-    max_grad_norm: float = option(1.0, min=0, help="clip the global gradient norm to this; 0 disables")
     optim: str = option("adamw_torch", nonempty=True, help="optimizer name, as TrainingArguments.optim")
     optim_args: str | None = option(None, help="extra optimizer arguments 'key=value,key=value'")
     optim_target_modules: list[str] | str | None = option(None, help=(
@@ -109,44 +103,12 @@ class TrainConfig:
         "extra scheduler arguments (e.g. power, lr_end for polynomial)"))
     warmup_steps: int = option(0, min=0, help="linear warmup steps; > 0 overrides warmup_ratio")
     warmup_ratio: float = option(0.0, min=0, max=1, help="warmup as a fraction of the total steps")
-    label_smoothing_factor: float = option(0.0, min=0, below=1, help="label smoothing for the default loss")
     bf16: bool = option(False, help="bfloat16 autocast (CPU or GPU)")
     fp16: bool = option(False, help="float16 autocast with loss scaling (GPU only)")
     use_cpu: bool = option(False, help="train on the CPU even when a GPU is present")
-    activation_checkpointing: bool = option(False, help=(
-        "recompute each block's activations in backward instead of keeping them (less memory, ~30 % "
-        "more compute): HF models through activation_checkpointing_enable, any other module on its blocks"))
-    activation_checkpointing_kwargs: dict[str, Any] | None = option(None, help=(
-        "for activation checkpointing: every_n_layers, offload (HF models) and torch.utils.checkpoint "
-        "arguments (default use_reentrant = false)"))
-    gradient_checkpointing: bool | None = option(None, help=(
-        "TrainingArguments' older name of activation_checkpointing"))
-    gradient_checkpointing_kwargs: dict[str, Any] | None = option(None, help=(
-        "TrainingArguments' older name of activation_checkpointing_kwargs"))
-    torch_compile: bool = option(False, help="compile the model with torch.compile (its forward; backward follows)")
-    torch_compile_backend: str | None = option(None, nonempty=True, help=(
-        "torch.compile backend (inductor, aot_eager, ...); setting it turns torch_compile on"))
-    torch_compile_mode: str | None = option(None, nonempty=True, help=(
-        "torch.compile mode (default, reduce-overhead, max-autotune, ...); setting it turns torch_compile on"))
     strategy: str = option("auto", help=(
         "distributed strategy name; 'auto' takes the one an enabled plugin provides, else 'single'"))
-    logging_steps: int = option(10, min=1, help="log metrics every N optimizer steps")
-    logging_first_step: bool = option(False, help="also log after the first step")
-    logging_strategy: Literal["no", "steps", "epoch"] = option("steps", help=(
-        "when to log the training loss: every logging_steps steps (and the last), at each epoch's end, or never"))
-    eval_strategy: Literal["no", "steps", "epoch"] = option("no", help="when to evaluate")
-    eval_steps: int | None = option(None, min=1, help="evaluate every N steps (default: logging_steps)")
-    eval_delay: float = option(0.0, min=0, help=(
-        "no evaluation before this step (eval_strategy 'steps') or epoch (eval_strategy 'epoch')"))
     eval_on_start: bool = option(False, help="evaluate once before the first step (a sanity check)")
-    save_strategy: Literal["no", "steps", "epoch", "best"] = option("steps", help=(
-        "when to save a checkpoint; 'best': after each evaluation that improves metric_for_best_model"))
-    save_steps: int = option(500, min=1, help="save every N steps when save_strategy = 'steps'")
-    save_total_limit: int | None = option(None, min=1, help=(
-        "keep at most this many checkpoints (oldest deleted first; the best one is always kept)"))
-    enable_jit_checkpoint: bool = option(False, help=(
-        "a SIGTERM saves a checkpoint at the end of the current step and stops the run (exit status 143), "
-        "resumable with resume_from_checkpoint = true"))
     save_only_model: bool = option(False, help=(
         "checkpoints hold the model and trainer_state.json only (no optimizer, scheduler or RNG state): smaller, "
         "and load_best_model_at_end still works, but they cannot be resumed"))
@@ -169,55 +131,16 @@ class TrainConfig:
         "non-finite saved) or 'skip' the update (costs one host sync per step)"))
     max_skipped_in_a_row: int = option(10, min=1, help=(
         "on_nonfinite = 'skip': stop the run after this many skipped steps in a row"))
-    load_best_model_at_end: bool = option(False, help=(
-        "track the best checkpoint by metric_for_best_model and load it when training ends"))
-    metric_for_best_model: str | None = option(None, help=(
-        "evaluation metric that ranks checkpoints, e.g. 'loss' or 'eval_accuracy' "
-        "(default: 'loss' when load_best_model_at_end)"))
-    greater_is_better: bool | None = option(None, help=(
-        "whether a larger metric_for_best_model is better (default: false for *loss, else true)"))
     label_names: list[str] | None = option(None, help=(
         "the batch keys holding the labels that evaluation and predict return as label_ids (several: a tuple) "
         "(default, as Trainer: the model's forward arguments named *label*; start_positions and end_positions "
         "for question answering)"))
-    include_for_metrics: list[str] = option(default_factory=list, help=(
-        "what compute_metrics gets besides predictions and labels: 'inputs' (the model's main input, as "
-        "EvalPrediction.inputs) and/or 'loss' (each row's batch loss, as EvalPrediction.losses)"))
-    batch_eval_metrics: bool = option(False, help=(
-        "call compute_metrics after each evaluation batch (tensors; compute_result=True after the last, whose "
-        "answer are the metrics) instead of once on every prediction kept in memory"))
-    eval_accumulation_steps: int | None = option(None, min=1, help=(
-        "Trainer's: move evaluation predictions to the CPU every N batches; the engine moves each batch's as it "
-        "comes (Trainer's 1), which gives the same predictions and metrics as any N"))
-    prediction_loss_only: bool = option(False, help="evaluation returns the loss only (no compute_metrics)")
     compute_metrics: str | None = option(None, help=(
         "'package.module:function' taking an EvalPrediction and returning a dict of floats"))
-    predict_with_generate: bool = option(False, help=(
-        "evaluation and predict: compute_metrics gets generate()'s token ids instead of logits (seq2seq and "
-        "causal LMs; the loss is still computed), as Seq2SeqTrainer"))
-    generation_max_length: int | None = option(None, min=1, help=(
-        "predict_with_generate: generate()'s max_length (default: the generation config's)"))
-    generation_num_beams: int | None = option(None, min=1, help=(
-        "predict_with_generate: generate()'s num_beams (default: the generation config's)"))
-    generation_config: str | dict[str, Any] | None = option(None, help=(
-        "predict_with_generate: a folder holding generation_config.json, or a table of GenerationConfig values, "
-        "replacing the model's generation config"))
     use_cache: bool = option(False, help=(
         "the model's config.use_cache while training and in the saved model (as Trainer sets it): the key/value "
         "cache only costs memory in a training forward"))
-    torch_empty_cache_steps: int | None = option(None, min=1, help=(
-        "empty the accelerator's memory cache (torch.accelerator.empty_cache) in steps 1, N+1, 2N+1 ...: less "
-        "peak memory, slower steps (as Trainer's; nothing on the CPU)"))
-    dataloader_num_workers: int = option(0, min=0, help="DataLoader worker processes")
     dataloader_drop_last: bool = option(False, help="drop the last incomplete batch")
-    dataloader_pin_memory: bool = option(True, help="page-locked batches when training on a GPU")
-    dataloader_persistent_workers: bool = option(False, help=(
-        "keep the DataLoader's workers between epochs (needs dataloader_num_workers > 0)"))
-    dataloader_prefetch_factor: int | None = option(None, min=1, help=(
-        "batches each worker loads ahead (needs dataloader_num_workers > 0; default: torch's 2)"))
-    dataloader_multiprocessing_context: Literal["fork", "spawn", "forkserver"] | None = option(None, help=(
-        "start method of the DataLoader's workers (default: the platform's)"))
-    dataloader_in_order: bool = option(True, help="workers' batches in sampler order (false: as they are ready)")
     data_seed: int | None = option(None, min=0, max=2**32 - 1, help=(
         "seed of the data order (default: seed): the same batches whatever the model's seed"))
     include_num_input_tokens_seen: bool | Literal["no", "all", "non_padding"] = option("no", help=(
@@ -225,27 +148,7 @@ class TrainConfig:
         "('non_padding')"))
     full_determinism: bool = option(False, help=(
         "torch's deterministic algorithms and cuDNN settings for the whole process (slower; as Trainer's)"))
-    bf16_full_eval: bool = option(False, help=(
-        "evaluate and predict outside training with the model cast to bfloat16 (it stays so; as Trainer)"))
-    fp16_full_eval: bool = option(False, help=(
-        "evaluate and predict outside training with the model cast to float16 (it stays so; as Trainer)"))
     tf32: bool | None = option(None, help="allow TF32 matmuls and convolutions on Ampere+ GPUs (default: torch's)")
-    train_sampling_strategy: Literal["random", "sequential", "group_by_length"] = option("random", help=(
-        "order of the training examples: a seeded shuffle each epoch, the dataset's order, or 'group_by_length': "
-        "that shuffle grouped into batches of similar length, longest first (less padding; Trainer's "
-        "LengthGroupedSampler algorithm)"))
-    length_column_name: str = option("length", nonempty=True, help=(
-        "group_by_length: the dataset column holding each example's length (default: the length of its "
-        "input_ids, or of the tokenizer's first model input)"))
-    remove_unused_columns: bool = option(True, help=(
-        "drop the columns (keys) of the examples that the model's forward does not take (label_names, label and "
-        "label_ids kept) before the collator sees them, as Trainer"))
-    disable_tqdm: bool = option(False, help="no console progress bar")
-    skip_memory_metrics: bool = option(True, help=(
-        "false: train/eval/test metrics get Trainer's memory figures ({stage}_mem_cpu_alloc_delta, "
-        "_peaked_delta, and _gpu_ ones on an accelerator; needs psutil; sampling the memory slows the run)"))
-    restore_callback_states_from_checkpoint: bool = option(False, help=(
-        "on resume: TrainerCallbacks with state (ExportableState, e.g. EarlyStoppingCallback) get it back"))
     log_level: Literal["passive", "debug", "info", "warning", "error", "critical"] = option("passive", help=(
         "log level of the main process for the engine and transformers loggers ('passive': "
         "engine info, transformers' own default)"))
@@ -256,51 +159,65 @@ class TrainConfig:
     run_name: str | None = option(None, help="a name for trackers (default: output_dir's name)")
 
 
-@dataclass
-class DataConfig:
-    """``[data]``: the tokenizer and the datasets."""
+# ---------------------------------------------------------------------------- the core sections
 
-    train: str = option("embedded", nonempty=True, help=(
-        "'embedded' (docstrings that ship with Python), a local .jsonl/.json/.csv/.parquet/.arrow/.txt "
-        "file, a glob, a folder (of such files, or saved with save_to_disk), a dataset name for "
-        "load_dataset, or 'package.module:function' taking the tokenizer and returning a dataset"))
-    eval: str | None = option(None, help="evaluation data, same forms as train")
-    eval_split: float = option(0.0, min=0, below=1, help="fraction of the train documents held out for eval when eval is unset")
-    config: str | None = option(None, help="the configuration (subset) of a dataset name, as load_dataset's name")
-    split: str = option("train", nonempty=True, help="split of a dataset name or saved DatasetDict used for train")
-    eval_dataset_split: str = option("validation", nonempty=True, help=(
-        "split of a dataset name or saved DatasetDict used for eval"))
-    text_column: str = option("text", nonempty=True, help=(
-        "column holding the text (rows with 'messages', 'prompt'/'completion' or 'input_ids' use those)"))
-    text_pair_column: str | None = option(None, nonempty=True, help=(
-        "sequence classification: the column holding each example's second text (pairs, as in GLUE)"))
-    label_column: str | None = option(None, nonempty=True, help=(
-        "classification: the column of labels (default: 'label' or 'labels'; token classification: 'tags', "
-        "'ner_tags' or 'labels')"))
-    tokens_column: str = option("tokens", nonempty=True, help="token classification: the column of words")
-    label_all_tokens: bool = option(False, help=(
-        "token classification: every sub-word of a word gets its label (B- becoming I-), not only the first"))
-    source_column: str = option("source", nonempty=True, help="seq2seq: the column of input texts")
-    target_column: str = option("target", nonempty=True, help="seq2seq: the column of target texts")
-    max_target_length: int | None = option(None, min=1, help="seq2seq: tokens per target (default: max_length)")
-    max_length: int = option(128, min=2, help="tokens per example")
-    packing: bool | Literal["document"] = option(True, help=(
-        "true: concatenate examples and cut max_length rows; false: one padded example per row; "
-        "'document': whole examples packed per row, attention kept within each (padding-free)"))
-    truncation: Literal["truncate", "drop"] = option("truncate", help=(
-        "examples longer than max_length (packing false or 'document'): cut, or left out; counts are logged"))
-    train_on_all_tokens: bool = option(False, help=(
-        "chat and prompt/completion data: learn every token, not only the assistant / completion ones"))
-    num_proc: int | None = option(None, min=1, help=(
-        "processes for tokenizing (default: one per core up to 8 from 50,000 rows, else 1)"))
-    cache_dir: str | None = option(None, help="where datasets caches files and tokenized data (default: HF_DATASETS_CACHE)")
-    streaming: bool = option(False, help=(
-        "read data.train as it trains (tokenized and packed on the fly), for corpora larger than memory"))
-    shuffle_buffer_size: int = option(10_000, min=1, help="streaming: examples in the shuffle buffer")
-    tokenizer: str = option("auto", nonempty=True, help=(
-        "'auto' (the model folder's tokenizer, else train one), 'train' (refused for a pretrained train.model folder, "
-        "whose weights keep their own), or a local tokenizer folder"))
-    tokenizer_vocab_size: int = option(1024, min=258, help="vocabulary size of a trained tokenizer")
+# the attribute of a builtin's plugin object (module or class) naming its options for a core section
+SECTION_OPTIONS = {"train": "TRAIN_OPTIONS", "data": "DATA_OPTIONS"}
+_ASSEMBLED = {
+    "TrainConfig": ("train", KernelTrainConfig, "``[train]``: the model, the optimizer and the loop. Names follow "
+                                                "``TrainingArguments``."),
+    "DataConfig": ("data", None, "``[data]``: the tokenizer and the datasets."),
+}
+_assembling: set[str] = set()
+
+
+def builtin_options(section: str) -> dict[str, type]:
+    """The option dataclasses the builtins declare for core ``section`` ("train", "data"), by builtin name,
+    in the builtins' order."""
+    from .discovery import builtin_specs, load_builtin
+
+    declared = {name: getattr(load_builtin(spec), SECTION_OPTIONS[section], None)
+                for name, spec in builtin_specs().items()}
+    return {name: options for name, options in declared.items() if options is not None}
+
+
+def _assemble(name: str, section: str, kernel: type | None, doc: str) -> type:
+    """One dataclass holding the fields of ``kernel`` and of every builtin's options for ``section``."""
+    parts = {"the kernel": kernel} if kernel else {}
+    parts.update(builtin_options(section))
+    owners: dict[str, str] = {}
+    fields = []
+    for owner, options in parts.items():
+        hints = typing.get_type_hints(options)
+        for f in dataclasses.fields(options):
+            if f.name in owners:
+                raise PluginError(f"{section}.{f.name} is declared by {owners[f.name]} and by {owner}; keep one")
+            owners[f.name] = owner
+            fields.append((f.name, hints[f.name], field(default=f.default, default_factory=f.default_factory,
+                                                        metadata=f.metadata)))
+    return dataclasses.make_dataclass(name, fields, namespace={"__module__": __name__, "__doc__": doc})
+
+
+def __getattr__(name: str) -> Any:
+    """``TrainConfig`` and ``DataConfig``, assembled on first use (see :data:`SECTION_OPTIONS`)."""
+    if name not in _ASSEMBLED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return core_config(name)
+
+
+def core_config(name: str) -> type:
+    """``TrainConfig`` or ``DataConfig`` (by that name): assembled once, then the same class."""
+    if name in globals():
+        return globals()[name]
+    if name in _assembling:  # a builtin module read it while it was being imported to assemble it
+        raise ImportError(f"engine.config.{name} is assembled from the builtins' options: a builtin module "
+                          "must not read it when it is imported (import it under TYPE_CHECKING)")
+    _assembling.add(name)
+    try:
+        globals()[name] = _assemble(name, *_ASSEMBLED[name])
+    finally:
+        _assembling.discard(name)
+    return globals()[name]
 
 
 # ---------------------------------------------------------------------------- validation
@@ -657,8 +574,8 @@ def compose(raw: dict[str, Any], schemas: dict[str, type | None]) -> RunConfig:
     return RunConfig(
         plugins=plugins,
         required_plugins=required_plugins(raw),
-        train=from_mapping(TrainConfig, raw.get("train", {}), "train"),
-        data=from_mapping(DataConfig, raw.get("data", {}), "data"),
+        train=from_mapping(core_config("TrainConfig"), raw.get("train", {}), "train"),
+        data=from_mapping(core_config("DataConfig"), raw.get("data", {}), "data"),
         sections=sections,
     )
 

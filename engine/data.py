@@ -15,7 +15,7 @@ from engine.builtin.data.streaming import ResumableStream
 from engine.builtin.data.tokenizer import (
     EOS_TOKEN, PAD_TOKEN, build_tokenizer, has_tokenizer, load_tokenizer, train_tokenizer,
 )
-from engine.loaders import example_lengths, forward_columns, without_unused_columns
+from engine.kit.loaders import example_lengths, forward_columns, without_unused_columns
 from engine.loss import IGNORE_INDEX
 from engine.state import Datasets
 from engine.util import is_datasets_object

@@ -67,8 +67,8 @@ TOOLING_HOOKS = ("register_commands", "add_run_arguments", "edit_run_config", "t
                  "accelerate_mappings")
 # Hooks every run needs answered: blocking the builtin that answers one ("-builtin.steps" in
 # ``plugins``) without enabling another plugin that does is refused while the run is composed.
-REQUIRED_HOOKS = ("create_strategy", "create_datasets", "create_optimizer", "create_scheduler", "training_step",
-                  "compute_loss", "checkpoint_weights", "evaluate", "predict", "prediction_step")
+REQUIRED_HOOKS = ("create_strategy", "create_datasets", "create_train_loader", "create_optimizer", "create_scheduler",
+                  "training_step", "compute_loss", "checkpoint_weights", "evaluate", "predict", "prediction_step")
 # firstresult hooks that one enabled plugin at most answers besides the builtin default: two are
 # refused while the run is composed, naming both (neither could silently win).
 SINGLE_ANSWER_HOOKS = ("checkpoint_weights",)
@@ -449,6 +449,33 @@ def create_scheduler(run: RunView, optimizer: torch.optim.Optimizer) -> Any:
     **When**: once, right after :func:`create_optimizer`; ``run.num_training_steps`` is
     known. **Combine**: firstresult. The builtin looks ``train.lr_scheduler_type`` up in the
     scheduler registry, with warmup from ``warmup_steps`` / ``warmup_ratio``.
+    """
+
+
+# ---------------------------------------------------------------------------- setup: the train loader
+
+
+@hookspec(firstresult=True)
+def create_train_loader(run: RunView) -> torch.utils.data.DataLoader | None:
+    """Make the loader of the train data (``run.train_dataset``, ``run.data_collator``): a sampler of your
+    own, a streaming loader.
+
+    **When**: in ``run.setup()`` after the strategy wrapped the model, before
+    :func:`create_optimizer` (``run.num_training_steps`` is counted from its length), and again when
+    ``auto_find_batch_size`` changed the batch size. **Combine**: firstresult. ``builtin.loaders``
+    answers a DataLoader of ``per_device_train_batch_size`` examples in the order of an
+    ``EpochSampler`` (``train_sampling_strategy``, ``data_seed``; this process's share) with the
+    ``[train] dataloader_*`` arguments; :mod:`engine.kit.loaders` has its helpers. Give the loader a
+    ``generator``: the loop seeds it each epoch (and calls ``sampler.set_epoch(epoch, rows_done)``
+    where the sampler has one, for a resume).
+
+    Example::
+
+        @hookimpl
+        def create_train_loader(run):
+            dataset, collator = loader_data(run, run.train_dataset, "train dataset")
+            return torch.utils.data.DataLoader(dataset, batch_size=8, shuffle=True, collate_fn=collator,
+                                               generator=torch.Generator())
     """
 
 

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import TYPE_CHECKING
 
-from .config import TrainConfig
+if TYPE_CHECKING:
+    from .config import TrainConfig  # assembled from the builtins' options: not at import
 
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
           "error": logging.ERROR, "critical": logging.CRITICAL}

@@ -13,6 +13,7 @@
             tokenizer, datasets, model            # from [train] / [data], or given to Run
             undo = patch_model(run, model)        # each plugin, in order
             model = strategy.prepare_model(model)
+            train_loader = create_train_loader(run)
             optimizer = create_optimizer(run); scheduler = create_scheduler(run, optimizer)
         if resuming: restore weights, optimizer, scheduler (changed hyper-parameters applied),
                      RNG, state

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from . import __version__
-from .config import DataConfig, TrainConfig, to_toml
+from .config import to_toml
 from .hookspecs import HOOK_NAMES, combine_kind
 from .plugins import NO_AUTOLOAD_ENV, PLUGINS_ENV, autoload_disabled
 from .state import RunView
@@ -25,7 +25,7 @@ def _origin(run: RunView, name: str) -> str:
 
 
 def _help_comments(run: RunView) -> dict[str, dict[str, str]]:
-    sections = {"train": TrainConfig, "data": DataConfig}
+    sections = {"train": type(run.config.train), "data": type(run.config.data)}
     sections.update({name: type(options) for name, options in run.config.sections.items()})
     return {section: {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
             for section, cls in sections.items()}

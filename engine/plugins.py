@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import inspect
@@ -32,6 +33,7 @@ from pluggy._hooks import varnames as pluggy_varnames
 
 from . import hookspecs
 from .catalogue import FIRST_PARTY, UNSUPPORTED_OPTIMIZERS, provider_of
+from .config import builtin_options
 from .errors import ConfigError, PluginError
 from .util import describe_exception
 
@@ -292,10 +294,11 @@ class PluginManager:
                 if impl.plugin_name not in self.builtins and not (impl.wrapper or impl.hookwrapper)]
 
     def check_blocked_keys(self, train: dict[str, Any]) -> None:
-        """A ``[train]`` key that a blocked builtin owns (its ``TRAIN_KEYS``) is refused: nothing would read it."""
+        """A ``[train]`` key that a blocked builtin declares (its ``TRAIN_OPTIONS``) is refused: nothing would read it."""
+        declared = builtin_options("train") if self.blocked else {}
         for name in self.blocked:
-            owned = getattr(load_builtin(builtin_specs()[name]), "TRAIN_KEYS", ()) if name in builtin_specs() else ()
-            for key in owned:
+            owned = dataclasses.fields(declared[name]) if name in declared else ()
+            for key in (option.name for option in owned if not option.metadata.get("shared")):
                 if key in train:
                     raise ConfigError(f"train.{key} is read by {name}, which this run blocks ('-{name}' in plugins); "
                                       f"remove train.{key} or the block")

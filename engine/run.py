@@ -21,11 +21,10 @@ from . import config as cfg
 from .catalogue import ADAPTER_PLUGIN
 from .checkpoint import check_resume_spec
 from .errors import ConfigError
-from .loaders import example_lengths, forward_columns, without_unused_columns
 from .logs import quiet_known_noise, setup_logging
 from .plugins import PLUGINS_ENV, EnvironmentPlugins, IsolatedHooks, PluginManager, builtin_specs
 from .rundir import env_rank
-from .state import Control, Datasets, EpochSampler, PredictionOutput, TrainState
+from .state import Control, Datasets, PredictionOutput, TrainState
 from .util import is_callback, is_peft_model
 
 logger = logging.getLogger("engine")
@@ -243,7 +242,7 @@ class Run:
     def prepare_training(self) -> None:
         """The train loader, the step count, the optimizer and the scheduler, from the config as it is now
         (made again when train.auto_find_batch_size changed the batch size)."""
-        self.train_loader = self._train_loader()
+        self.train_loader = self.hook.create_train_loader(run=self)
         self.num_training_steps = self._count_training_steps()
         optimizer = self.hook.create_optimizer(run=self)
         self.optimizer = self.strategy.prepare_optimizer(optimizer)
@@ -272,65 +271,6 @@ class Run:
     def uses_builtin_loss(self) -> bool:
         """No enabled plugin answers ``compute_loss`` (wrappers around the builtin aside)."""
         return not self.plugin_manager.plugins_answering("compute_loss")
-
-    def _train_loader(self) -> torch.utils.data.DataLoader:
-        train = self.config.train
-        dataset = self.train_dataset
-        sampler = None
-        lengths = None
-        if train.train_sampling_strategy == "group_by_length":
-            if isinstance(dataset, torch.utils.data.IterableDataset):
-                logger.warning("train.train_sampling_strategy = 'group_by_length': the train dataset is an "
-                               "IterableDataset, so its examples are not grouped by length (as Trainer)")
-            else:  # the lengths are read before remove_unused_columns drops a length column
-                input_name = (getattr(self.tokenizer, "model_input_names", None) or ["input_ids"])[0]
-                lengths = example_lengths(dataset, train.length_column_name, input_name)
-        dataset, collator = self.loader_data(dataset, "train dataset")
-        if not isinstance(dataset, torch.utils.data.IterableDataset):
-            try:
-                length = len(dataset)
-            except TypeError:
-                raise ConfigError("train dataset has no len(); use an IterableDataset with train.max_steps") from None
-            if length == 0:
-                raise ConfigError("the train dataset is empty")
-            batch = train.per_device_train_batch_size * self.strategy.world_size
-            if batch > length:  # every step would silently be the whole dataset
-                raise ConfigError(f"train.per_device_train_batch_size: {train.per_device_train_batch_size} per device "
-                                  f"x {self.strategy.world_size} process(es) is more than the {length} train examples; "
-                                  "lower it, or give more data")
-            data_seed = train.data_seed if train.data_seed is not None else train.seed
-            sampler = EpochSampler(length, data_seed, train.train_sampling_strategy == "random",
-                                   self.strategy.rank, self.strategy.world_size, lengths,
-                                   train.per_device_train_batch_size * train.gradient_accumulation_steps)
-        elif train.max_steps <= 0:
-            raise ConfigError("train.max_steps: an IterableDataset has no length; set train.max_steps > 0")
-        return torch.utils.data.DataLoader(
-            dataset, batch_size=train.per_device_train_batch_size, sampler=sampler,
-            collate_fn=collator, drop_last=train.dataloader_drop_last, **self.loader_options(),
-            # its own generator: starting an iterator must not draw from the global RNG, or a
-            # resumed run (which starts one mid-epoch) would see different dropout masks
-            generator=torch.Generator().manual_seed(train.seed),
-        )
-
-    def loader_data(self, dataset: Any, key: str) -> tuple[Any, Callable[[list[Any]], Any]]:
-        """The dataset and collator a loader of ``dataset`` uses: the examples' keys that the model's forward
-        does not take left out (``train.remove_unused_columns``, as Trainer)."""
-        if not self.config.train.remove_unused_columns:
-            return dataset, self.data_collator
-        return without_unused_columns(dataset, self.data_collator, forward_columns(self.model, self.label_names),
-                                      self.model, key)
-
-    def loader_options(self) -> dict[str, Any]:
-        """The DataLoader arguments ``[train] dataloader_*`` set, for the train and evaluation loaders."""
-        train = self.config.train
-        options = {"num_workers": train.dataloader_num_workers,
-                   "pin_memory": train.dataloader_pin_memory and self.strategy.device.type == "cuda",
-                   "in_order": train.dataloader_in_order}
-        if train.dataloader_num_workers:
-            options.update(persistent_workers=train.dataloader_persistent_workers,
-                           prefetch_factor=train.dataloader_prefetch_factor,
-                           multiprocessing_context=train.dataloader_multiprocessing_context)
-        return options
 
     def _count_training_steps(self) -> int:
         train = self.config.train
@@ -427,51 +367,16 @@ def _warn_set_attributes(run: Run) -> None:
 
 
 def _resolve_defaults(train: cfg.TrainConfig) -> None:
-    """Defaults that depend on other keys, as TrainingArguments resolves them."""
-    if train.load_best_model_at_end and train.metric_for_best_model is None:
-        train.metric_for_best_model = "loss"
-    if train.metric_for_best_model is not None and train.greater_is_better is None:
-        train.greater_is_better = not train.metric_for_best_model.endswith("loss")
-    for old, new in (("gradient_checkpointing", "activation_checkpointing"),
-                     ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
-        value, current = getattr(train, old), getattr(train, new)
-        if value is None:
-            continue
-        if current not in (None, False) and current != value:
-            raise ConfigError(f"train.{old} = {value!r} and train.{new} = {current!r} disagree; "
-                              f"{old} is TrainingArguments' older name of {new}: set one")
-        setattr(train, new, value)
-        setattr(train, old, None)
-    if train.torch_compile_backend or train.torch_compile_mode:
-        train.torch_compile = True
+    """Defaults of the kernel's keys that depend on their values, as TrainingArguments resolves them (the
+    builtins resolve their own keys in ``configure``)."""
     if isinstance(train.include_num_input_tokens_seen, bool):  # as TrainingArguments reads a bool
         train.include_num_input_tokens_seen = "all" if train.include_num_input_tokens_seen else "no"
 
 
 def _check_values(train: cfg.TrainConfig) -> None:
-    """Checks across keys (each key's own range is declared with its option)."""
+    """Checks across the kernel's keys (each key's own range is declared with its option; the builtins check
+    theirs in ``configure``)."""
     if train.max_steps <= 0 and train.num_train_epochs <= 0:
         raise ConfigError("train.max_steps / train.num_train_epochs: set max_steps > 0 or num_train_epochs > 0")
-    if train.save_strategy == "best" and (train.metric_for_best_model is None or train.eval_strategy == "no"):
-        raise ConfigError("train.save_strategy = 'best' saves after evaluations that improve a metric: set "
-                          "train.metric_for_best_model and train.eval_strategy")
-    if train.load_best_model_at_end:
-        if train.eval_strategy == "no":
-            raise ConfigError("train.load_best_model_at_end needs evaluations: set train.eval_strategy")
-        if train.save_strategy not in (train.eval_strategy, "best"):
-            raise ConfigError(f"train.load_best_model_at_end: save_strategy ({train.save_strategy!r}) must "
-                              f"equal eval_strategy ({train.eval_strategy!r}) so each evaluation has a checkpoint")
-        eval_steps = train.eval_steps or train.logging_steps
-        if train.save_strategy == "steps" and train.save_steps % eval_steps:
-            raise ConfigError(f"train.load_best_model_at_end: save_steps ({train.save_steps}) must be a "
-                              f"multiple of eval_steps ({eval_steps})")
     if train.bf16 and train.fp16:
         raise ConfigError("train.bf16 and train.fp16 are both true; pick one")
-    unknown = [name for name in train.include_for_metrics if name not in ("inputs", "loss")]
-    if unknown:
-        raise ConfigError(f"train.include_for_metrics: {', '.join(map(repr, unknown))} is not one of 'inputs', 'loss'")
-    if train.bf16_full_eval and train.fp16_full_eval:
-        raise ConfigError("train.bf16_full_eval and train.fp16_full_eval are both true; pick one")
-    for key in ("dataloader_persistent_workers", "dataloader_prefetch_factor"):
-        if getattr(train, key) not in (None, False) and train.dataloader_num_workers == 0:
-            raise ConfigError(f"train.{key} needs worker processes: set train.dataloader_num_workers > 0")

@@ -142,32 +142,6 @@ def decode_utf8(data: bytes, what: str, fix: str = "save it as UTF-8") -> str:
         raise ConfigError(f"{what} is not UTF-8 text (byte 0x{data[exc.start]:02x} on line {line}); {fix}") from None
 
 
-def read_small_text(path: str | Path, what: str, fix: str, limit: int = 1 << 20) -> str:
-    """The UTF-8 text of ``path``, a regular file of at most ``limit`` bytes. A missing file, a folder, a
-    device or pipe (``/dev/zero`` would never end), a larger or binary file is one ConfigError naming
-    ``what`` and saying ``fix``."""
-    path = Path(path)
-    try:
-        if not path.is_file():
-            problem = ": no such file" if not path.exists() else " is a folder" if path.is_dir() else \
-                " is not a regular file"
-            raise ConfigError(f"{what}{problem}; {fix}")
-        with path.open("rb") as file:
-            data = file.read(limit + 1)  # no more, whatever its size says
-    except OSError as exc:
-        raise ConfigError(f"cannot read {what}: {exc.strerror}") from None
-    if len(data) > limit:
-        raise ConfigError(f"{what} is larger than {limit:,} bytes; {fix}")
-    return decode_utf8(data, what, fix)
-
-
-def one_line(text: Any) -> str:
-    """``text`` (a string, or any key of a user's file) as it is when printable, else its repr: line breaks and
-    control characters escaped, so that it can neither break a one-line message nor end a TOML comment."""
-    text = str(text)
-    return text if text.isprintable() else repr(text)
-
-
 # a credential by its name: the last word is token, password, secret, api_key, ... (not tokens_seen, pad_token_id)
 _SECRET_NAME = re.compile(r"(?:^|[_\-.])(?:token|password|passwd|secret|credentials?|(?:api|access|secret|private)"
                           r"[_\-]?key)$", re.IGNORECASE)

@@ -11,8 +11,7 @@ import sys
 import pytest
 
 from engine import ConfigError
-from engine.catalogue import ACCELERATE_KEYS
-from engine.tooling.accelerate_config import _TOP_LEVEL, apply, map_config
+from engine.tooling.accelerate_config import _TOP_LEVEL, ACCELERATE_KEYS, apply, map_config
 from engine_deepspeed.mappings import DEEPSPEED_CONFIG
 from engine_fsdp.mappings import FSDP_CONFIG
 from engine.cli import main

@@ -246,11 +246,11 @@ def test_a_train_key_of_a_blocked_builtin_is_refused_naming_the_key_and_the_bloc
 def test_every_owned_train_key_is_a_key_and_has_one_owner():
     import dataclasses
 
-    from engine.config import TrainConfig
+    from engine.config import TrainConfig, builtin_options
 
     owners = {}
-    for name, spec in builtin_specs().items():
-        for key in getattr(load_builtin(spec), "TRAIN_KEYS", ()):
+    for name, options in builtin_options("train").items():
+        for key in (field.name for field in dataclasses.fields(options)):
             assert key not in owners, f"train.{key} declared by {owners.get(key)} and {name}"
             owners[key] = name
     assert set(owners) <= {field.name for field in dataclasses.fields(TrainConfig)}

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import engine.checkpoint as ckpt
+from engine.kit.checkpoint import load_weights
 from engine import CheckpointError, ConfigError, Run, hookimpl
 from engine.cli import main
 from engine.builtin.data.collators import DataCollator
@@ -348,14 +349,14 @@ def test_load_best_model_at_end_loads_the_best_weights_and_saves_them(tmp_path):
     run.train()
     assert run.state.best_model_checkpoint == str(tmp_path / "checkpoint-3")
     best = tiny_model()
-    ckpt.load_weights(best, tmp_path / "checkpoint-3")
+    load_weights(best, tmp_path / "checkpoint-3")
     final = tiny_model(seed=1)
-    ckpt.load_weights(final, tmp_path)
+    load_weights(final, tmp_path)
     for name, value in _params(best).items():
         assert torch.equal(_params(run.model)[name], value), name
         assert torch.equal(_params(final)[name], value), name
     step_5 = tiny_model()
-    ckpt.load_weights(step_5, tmp_path / "checkpoint-5")
+    load_weights(step_5, tmp_path / "checkpoint-5")
     assert not torch.equal(_params(step_5)["lm_head.weight"], _params(best)["lm_head.weight"])
 
 

@@ -41,7 +41,7 @@ def test_the_loop_within_its_budget():
 # The kernel is not yet within its budgets (4,500 lines for the contract and the skeleton, 5,000 for
 # engine/*.py): tools/structure.py says by how much. Until it is, it may only shrink: lower these
 # ceilings when it does.
-KERNEL_CEILING, TOP_LEVEL_CEILING = 5_300, 6_350
+KERNEL_CEILING, TOP_LEVEL_CEILING = 4_900, 5_850
 
 
 def test_the_kernel_does_not_grow_past_where_it_stands():

@@ -9,7 +9,7 @@ import transformers
 
 from engine import Run
 from engine.builtin.data.collators import DataCollator
-from engine.loaders import forward_columns, without_unused_columns
+from engine.kit.loaders import forward_columns, without_unused_columns
 from engine.errors import ConfigError
 from engine.testing import assert_same_state, run_steps, same_weights, tiny_dataset, tiny_model
 
@@ -361,7 +361,7 @@ STATE_FILES = ("optimizer.pt", "scheduler.pt", "rng_state.pth", "rng_state.pt", 
 
 
 def test_save_only_model_checkpoints_load_the_best_model_but_do_not_resume(tmp_path):
-    from engine.checkpoint import load_weights
+    from engine.kit.checkpoint import load_weights
     from engine.errors import CheckpointError
 
     train = {"save_only_model": True, "save_strategy": "steps", "save_steps": 2, "eval_strategy": "steps",

@@ -14,6 +14,7 @@ PLUGINS = (
     "engine.builtin.arguments",
     "engine.builtin.trainer_args",
     "engine.builtin.data",
+    "engine.builtin.loaders",
     "engine.builtin.models:Models",
     "engine.builtin.tasks:Tasks",
     "engine.builtin.loss",

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from engine import hookimpl
 
-from .callbacks import PLUGIN, TrainerCallbacks
+from .callbacks import PLUGIN, CallbackOptions, TrainerCallbacks
 from .loss import PLUGIN_LOSS_FUNC, ComputeLossFunc
 from .optimizers import GIVEN, GivenOptimizer
+
+TRAIN_OPTIONS = CallbackOptions  # the [train] keys of the plugins it registers: engine.config.TrainConfig has them
 
 
 @hookimpl

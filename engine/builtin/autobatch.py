@@ -23,6 +23,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +31,7 @@ from engine import hookimpl
 from engine.builtin.memory import empty_device_cache
 from engine.builtin.optimizers import GIVEN
 from engine.checkpoint import delete_folder, list_checkpoints, rng_state, saved_progress, set_rng_state
+from engine.config import option
 from engine.errors import ConfigError, RestartTraining
 from engine.rundir import env_rank
 
@@ -66,10 +68,19 @@ class Start:
         set_rng_state(self.rng)  # a resumed run's checkpoint, loaded again, sets its own
 
 
+@dataclass
+class AutoBatchOptions:
+    """``[train]`` keys of builtin.autobatch: retrying with a smaller batch on out-of-memory."""
+
+    auto_find_batch_size: bool = option(False, help=(
+        "on an out-of-memory error in a training step, start the run again with per_device_train_batch_size "
+        "x 0.9 (as Trainer through accelerate), until one fits; one process only"))
+
+
 class AutoBatch:
     """One instance per run: the run as it started."""
 
-    TRAIN_KEYS = ("auto_find_batch_size",)  # the [train] keys it owns
+    TRAIN_OPTIONS = AutoBatchOptions  # the [train] keys it reads: engine.config.TrainConfig has them
 
     def __init__(self):
         self.start: Start | None = None

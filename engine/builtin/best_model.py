@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine import hookimpl
-from engine.checkpoint import check_model_folder, delete_folder, list_checkpoints
+from engine.checkpoint import delete_folder, list_checkpoints
+from engine.config import option
 from engine.errors import ConfigError
+from engine.kit.checkpoint import check_model_folder
 from engine.layout import PREFIX
 from engine.state import RunView
 
@@ -109,16 +112,49 @@ def load_best_model(run: RunView) -> None:
     logger.info("loaded the best model from %s (%s = %s)", best, best_metric_name(run), run.state.best_metric)
 
 
+@dataclass
+class BestModelOptions:
+    """``[train]`` keys of builtin.best_model: ranking checkpoints, keeping and loading the best."""
+
+    save_total_limit: int | None = option(None, min=1, help=(
+        "keep at most this many checkpoints (oldest deleted first; the best one is always kept)"))
+    load_best_model_at_end: bool = option(False, help=(
+        "track the best checkpoint by metric_for_best_model and load it when training ends"))
+    metric_for_best_model: str | None = option(None, help=(
+        "evaluation metric that ranks checkpoints, e.g. 'loss' or 'eval_accuracy' "
+        "(default: 'loss' when load_best_model_at_end)"))
+    greater_is_better: bool | None = option(None, help=(
+        "whether a larger metric_for_best_model is better (default: false for *loss, else true)"))
+
+
 class BestModel:
     """One instance per run: whether evaluations are candidates yet (the loop's, not eval_on_start's)."""
 
-    # the [train] keys it owns
-    TRAIN_KEYS = ("metric_for_best_model", "greater_is_better", "load_best_model_at_end", "save_total_limit")
+    TRAIN_OPTIONS = BestModelOptions  # the [train] keys it reads: engine.config.TrainConfig has them
 
     strict = True  # a failed rotation ends the run, as it did when the save itself rotated
 
     def __init__(self):
         self.candidates = False
+
+    @hookimpl(tryfirst=True)  # the defaults before other plugins read them (early_stopping, flow's 'best' check)
+    def configure(self, run):
+        train = run.config.train
+        # defaults that depend on other keys, as TrainingArguments resolves them
+        if train.load_best_model_at_end and train.metric_for_best_model is None:
+            train.metric_for_best_model = "loss"
+        if train.metric_for_best_model is not None and train.greater_is_better is None:
+            train.greater_is_better = not train.metric_for_best_model.endswith("loss")
+        if train.load_best_model_at_end:
+            if train.eval_strategy == "no":
+                raise ConfigError("train.load_best_model_at_end needs evaluations: set train.eval_strategy")
+            if train.save_strategy not in (train.eval_strategy, "best"):
+                raise ConfigError(f"train.load_best_model_at_end: save_strategy ({train.save_strategy!r}) must "
+                                  f"equal eval_strategy ({train.eval_strategy!r}) so each evaluation has a checkpoint")
+            eval_steps = train.eval_steps or train.logging_steps
+            if train.save_strategy == "steps" and train.save_steps % eval_steps:
+                raise ConfigError(f"train.load_best_model_at_end: save_steps ({train.save_steps}) must be a "
+                                  f"multiple of eval_steps ({eval_steps})")
 
     @hookimpl
     def on_epoch_start(self, run):

@@ -41,6 +41,7 @@ import sys
 from typing import Any
 
 from engine import hookimpl
+from engine.config import option
 from engine.errors import ConfigError
 from engine.util import is_callback
 
@@ -69,6 +70,14 @@ def training_arguments(train: Any) -> Any:
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"TrainerCallbacks get Trainer's args, and TrainingArguments refuses this [train]: "
                           f"{exc}") from None
+
+
+@dataclasses.dataclass
+class CallbackOptions:
+    """``[train]`` keys of the TrainerCallback adapter (registered by builtin.arguments)."""
+
+    restore_callback_states_from_checkpoint: bool = option(False, shared=True, help=(
+        "on resume: TrainerCallbacks with state (ExportableState, e.g. EarlyStoppingCallback) get it back"))
 
 
 class TrainerCallbacks:

@@ -11,8 +11,10 @@ or predicting. Log lines are written above the bars (``tqdm.write``). Without a 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 from engine import hookimpl
+from engine.config import option
 
 # tqdm redraws at most this often (seconds); between redraws an update is a counter increment
 REFRESH_S = 0.2
@@ -27,8 +29,17 @@ def format_metrics(metrics: dict) -> str:
     return " ".join(parts)
 
 
+@dataclass
+class ConsoleOptions:
+    """``[train]`` keys of builtin.console: the progress bar."""
+
+    disable_tqdm: bool = option(False, shared=True, help="no console progress bar")
+
+
 class Console:
     """One instance per run (see ``BUILTIN_PLUGINS``)."""
+
+    TRAIN_OPTIONS = ConsoleOptions  # the [train] keys it reads: engine.config.TrainConfig has them
 
     def __init__(self):
         self.bar = None  # training

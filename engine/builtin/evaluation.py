@@ -15,20 +15,54 @@ from __future__ import annotations
 import functools
 import inspect
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from engine import hookimpl
 from engine.builtin import memory
+from engine.config import option
 from engine.errors import ConfigError
+from engine.kit.loaders import loader_data, loader_options
 from engine.loss import IGNORE_INDEX, count_items, logits_of
 from engine.metrics import EvalPrediction
 from engine.state import EpochSampler, PredictionOutput, RunView
 from engine.util import call_user
 
-# the [train] keys this builtin owns
-TRAIN_KEYS = ("include_for_metrics", "batch_eval_metrics", "prediction_loss_only")
+
+@dataclass
+class EvaluationOptions:
+    """``[train]`` keys of builtin.evaluation: the evaluation pass and what compute_metrics gets."""
+
+    per_device_eval_batch_size: int = option(8, shared=True, min=1, help="evaluation batch size per device")
+    include_for_metrics: list[str] = option(default_factory=list, help=(
+        "what compute_metrics gets besides predictions and labels: 'inputs' (the model's main input, as "
+        "EvalPrediction.inputs) and/or 'loss' (each row's batch loss, as EvalPrediction.losses)"))
+    batch_eval_metrics: bool = option(False, help=(
+        "call compute_metrics after each evaluation batch (tensors; compute_result=True after the last, whose "
+        "answer are the metrics) instead of once on every prediction kept in memory"))
+    eval_accumulation_steps: int | None = option(None, shared=True, min=1, help=(
+        "Trainer's: move evaluation predictions to the CPU every N batches; the engine moves each batch's as it "
+        "comes (Trainer's 1), which gives the same predictions and metrics as any N"))
+    prediction_loss_only: bool = option(False, help="evaluation returns the loss only (no compute_metrics)")
+    bf16_full_eval: bool = option(False, shared=True, help=(
+        "evaluate and predict outside training with the model cast to bfloat16 (it stays so; as Trainer)"))
+    fp16_full_eval: bool = option(False, shared=True, help=(
+        "evaluate and predict outside training with the model cast to float16 (it stays so; as Trainer)"))
+
+
+TRAIN_OPTIONS = EvaluationOptions  # the [train] keys it reads: engine.config.TrainConfig has them
+
+
+@hookimpl(tryfirst=True)  # its keys checked before the enabled plugins' configure, as the kernel's are
+def configure(run: RunView) -> None:
+    train = run.config.train
+    unknown = [name for name in train.include_for_metrics if name not in ("inputs", "loss")]
+    if unknown:
+        raise ConfigError(f"train.include_for_metrics: {', '.join(map(repr, unknown))} is not one of 'inputs', 'loss'")
+    if train.bf16_full_eval and train.fp16_full_eval:
+        raise ConfigError("train.bf16_full_eval and train.fp16_full_eval are both true; pick one")
 
 
 @hookimpl(trylast=True)
@@ -126,7 +160,7 @@ def _evaluate_one(run: Any, dataset: Any, prefix: str, want_predictions: bool) -
     """Token-weighted loss (and compute_metrics) over ``dataset``; predictions and labels when wanted."""
 
     strategy, model, train_cfg = run.strategy, run.wrapped_model, run.config.train
-    dataset, collator = run.loader_data(dataset, f"{prefix} dataset")
+    dataset, collator = loader_data(run, dataset, f"{prefix} dataset")
     sampler = None
     length = 0
     if not isinstance(dataset, torch.utils.data.IterableDataset):
@@ -135,7 +169,7 @@ def _evaluate_one(run: Any, dataset: Any, prefix: str, want_predictions: bool) -
         # so up to world_size - 1 samples repeat at the end: their labels are masked below
         sampler = EpochSampler(length, 0, False, strategy.rank, strategy.world_size)
     loader = torch.utils.data.DataLoader(dataset, batch_size=train_cfg.per_device_eval_batch_size,
-                                         sampler=sampler, collate_fn=collator, **run.loader_options(),
+                                         sampler=sampler, collate_fn=collator, **loader_options(run),
                                          generator=torch.Generator().manual_seed(train_cfg.seed))
     prediction_step, on_prediction_step = run.hook.prediction_step, run.hook.on_prediction_step
     total = len(loader) if sampler is not None else None

@@ -18,19 +18,48 @@ comes first), which may turn on more; what the schedule asks for is not turned o
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 from engine import hookimpl
+from engine.config import option
+from engine.errors import ConfigError
+
+
+@dataclass
+class FlowOptions:
+    """``[train]`` keys of builtin.flow: when to log, evaluate and save."""
+
+    logging_steps: int = option(10, min=1, help="log metrics every N optimizer steps")
+    logging_first_step: bool = option(False, help="also log after the first step")
+    logging_strategy: Literal["no", "steps", "epoch"] = option("steps", help=(
+        "when to log the training loss: every logging_steps steps (and the last), at each epoch's end, or never"))
+    eval_strategy: Literal["no", "steps", "epoch"] = option("no", help="when to evaluate")
+    eval_steps: int | None = option(None, min=1, help="evaluate every N steps (default: logging_steps)")
+    eval_delay: float = option(0.0, min=0, help=(
+        "no evaluation before this step (eval_strategy 'steps') or epoch (eval_strategy 'epoch')"))
+    save_strategy: Literal["no", "steps", "epoch", "best"] = option("steps", help=(
+        "when to save a checkpoint; 'best': after each evaluation that improves metric_for_best_model"))
+    save_steps: int = option(500, min=1, help="save every N steps when save_strategy = 'steps'")
 
 
 class Flow:
     """One instance per run: the intervals, read once at the start of training (0: not by steps)."""
 
-    # the [train] keys it owns
-    TRAIN_KEYS = ("logging_strategy", "logging_steps", "logging_first_step", "eval_strategy", "eval_steps", "eval_delay",
-                  "save_strategy", "save_steps")
+    TRAIN_OPTIONS = FlowOptions  # the [train] keys it reads: engine.config.TrainConfig has them
 
     def __init__(self):
         self.log_every = self.eval_every = self.save_every = 0
         self.log_first = False
+
+    # tryfirst: before the enabled plugins' configure, after builtin.best_model's (registered later: called
+    # first), which fills in metric_for_best_model
+    @hookimpl(tryfirst=True)
+    def configure(self, run):
+        train = run.config.train
+        if train.save_strategy == "best" and (train.metric_for_best_model is None or train.eval_strategy == "no"):
+            raise ConfigError("train.save_strategy = 'best' saves after evaluations that improve a metric: set "
+                              "train.metric_for_best_model and train.eval_strategy")
 
     @hookimpl
     def on_train_start(self, run):

@@ -10,22 +10,41 @@ are read once per evaluation or prediction pass, at its first batch.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from engine import hookimpl
 from engine.builtin.evaluation import labels_of
-from engine.config import TrainConfig
+from engine.config import option
 from engine.errors import ConfigError
 from engine.state import RunView
+
+if TYPE_CHECKING:  # TrainConfig is assembled from the builtins' options: not at import
+    from engine.config import TrainConfig
+
+
+@dataclass
+class GenerationOptions:
+    """``[train]`` keys of builtin.generation: evaluating with generate()."""
+
+    predict_with_generate: bool = option(False, help=(
+        "evaluation and predict: compute_metrics gets generate()'s token ids instead of logits (seq2seq and "
+        "causal LMs; the loss is still computed), as Seq2SeqTrainer"))
+    generation_max_length: int | None = option(None, min=1, help=(
+        "predict_with_generate: generate()'s max_length (default: the generation config's)"))
+    generation_num_beams: int | None = option(None, min=1, help=(
+        "predict_with_generate: generate()'s num_beams (default: the generation config's)"))
+    generation_config: str | dict[str, Any] | None = option(None, help=(
+        "predict_with_generate: a folder holding generation_config.json, or a table of GenerationConfig values, "
+        "replacing the model's generation config"))
 
 
 class PredictWithGenerate:
     """Per run: the generation settings of the current pass, read at its first batch."""
 
-    # the [train] keys it owns
-    TRAIN_KEYS = ("predict_with_generate", "generation_max_length", "generation_num_beams", "generation_config")
+    TRAIN_OPTIONS = GenerationOptions  # the [train] keys it reads: engine.config.TrainConfig has them
 
     def __init__(self) -> None:
         self.settings: Generation | None = None

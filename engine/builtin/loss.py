@@ -9,11 +9,24 @@ from __future__ import annotations
 
 import functools
 import inspect
+from dataclasses import dataclass
 
 import torch
 
 from engine import hookimpl
+from engine.config import option
 from engine.loss import IGNORE_INDEX, count_items, logits_of
+
+
+@dataclass
+class LossOptions:
+    """``[train]`` keys of builtin.loss: the default loss."""
+
+    label_smoothing_factor: float = option(0.0, shared=True, min=0, below=1,
+                                           help="label smoothing for the default loss")
+
+
+TRAIN_OPTIONS = LossOptions  # the [train] keys it reads: engine.config.TrainConfig has them
 
 
 @functools.lru_cache(maxsize=None)

@@ -16,11 +16,13 @@ from __future__ import annotations
 import gc
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from engine import hookimpl
+from engine.config import option
 from engine.util import require
 
 _active: set[int] = set()  # runs with a stage being measured: an evaluation during training is not one
@@ -85,10 +87,22 @@ def finish(run: Any, tracker: MemoryTracker | None, metrics: dict[str, Any] | No
         _active.discard(id(run))
 
 
+@dataclass
+class MemoryOptions:
+    """``[train]`` keys of builtin.memory: memory figures and emptying the device cache."""
+
+    torch_empty_cache_steps: int | None = option(None, min=1, help=(
+        "empty the accelerator's memory cache (torch.accelerator.empty_cache) in steps 1, N+1, 2N+1 ...: less "
+        "peak memory, slower steps (as Trainer's; nothing on the CPU)"))
+    skip_memory_metrics: bool = option(True, help=(
+        "false: train/eval/test metrics get Trainer's memory figures ({stage}_mem_cpu_alloc_delta, "
+        "_peaked_delta, and _gpu_ ones on an accelerator; needs psutil; sampling the memory slows the run)"))
+
+
 class Memory:
     """One instance per run: the training stage's tracker, and how often to empty the device cache."""
 
-    TRAIN_KEYS = ("skip_memory_metrics", "torch_empty_cache_steps")  # the [train] keys it owns
+    TRAIN_OPTIONS = MemoryOptions  # the [train] keys it reads: engine.config.TrainConfig has them
 
     def __init__(self):
         self.tracker: MemoryTracker | None = None

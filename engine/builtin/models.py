@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import inspect
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,10 +31,12 @@ from engine.builtin.data.build import tokenized_max_length
 from engine.builtin.tasks import (
     SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION, auto_class, label_names, label_settings,
 )
-from engine.config import TrainConfig
 from engine.errors import ConfigError
 from engine.kit.models import max_positions, model_config
 from engine.util import call_user, is_callable_spec, load_callable
+
+if TYPE_CHECKING:
+    from engine.config import TrainConfig  # assembled from the builtins' options: not at import
 
 
 def build_model(train: TrainConfig, tokenizer: Any = None, labels: dict[str, Any] | None = None,

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from engine import hookimpl
+from engine.config import option
 from engine.errors import ConfigError
 
 logger = logging.getLogger("engine")
@@ -18,9 +20,46 @@ logger = logging.getLogger("engine")
 LAYER_KEYS = ("every_n_layers", "offload")
 
 
-@hookimpl
+@dataclass
+class PatchOptions:
+    """``[train]`` keys of builtin.patches: activation checkpointing and torch.compile."""
+
+    activation_checkpointing: bool = option(False, shared=True, help=(
+        "recompute each block's activations in backward instead of keeping them (less memory, ~30 % "
+        "more compute): HF models through activation_checkpointing_enable, any other module on its blocks"))
+    activation_checkpointing_kwargs: dict[str, Any] | None = option(None, shared=True, help=(
+        "for activation checkpointing: every_n_layers, offload (HF models) and torch.utils.checkpoint "
+        "arguments (default use_reentrant = false)"))
+    gradient_checkpointing: bool | None = option(None, shared=True, help=(
+        "TrainingArguments' older name of activation_checkpointing"))
+    gradient_checkpointing_kwargs: dict[str, Any] | None = option(None, shared=True, help=(
+        "TrainingArguments' older name of activation_checkpointing_kwargs"))
+    torch_compile: bool = option(False, shared=True, help=(
+        "compile the model with torch.compile (its forward; backward follows)"))
+    torch_compile_backend: str | None = option(None, shared=True, nonempty=True, help=(
+        "torch.compile backend (inductor, aot_eager, ...); setting it turns torch_compile on"))
+    torch_compile_mode: str | None = option(None, shared=True, nonempty=True, help=(
+        "torch.compile mode (default, reduce-overhead, max-autotune, ...); setting it turns torch_compile on"))
+
+
+TRAIN_OPTIONS = PatchOptions  # the [train] keys it reads: engine.config.TrainConfig has them
+
+
+@hookimpl(tryfirst=True)  # the older names resolved before other plugins read activation_checkpointing
 def configure(run):
     train = run.config.train
+    for old, new in (("gradient_checkpointing", "activation_checkpointing"),
+                     ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
+        value, current = getattr(train, old), getattr(train, new)
+        if value is None:
+            continue
+        if current not in (None, False) and current != value:
+            raise ConfigError(f"train.{old} = {value!r} and train.{new} = {current!r} disagree; "
+                              f"{old} is TrainingArguments' older name of {new}: set one")
+        setattr(train, new, value)
+        setattr(train, old, None)
+    if train.torch_compile_backend or train.torch_compile_mode:
+        train.torch_compile = True
     if train.torch_compile:
         _check_compile_options(train.torch_compile_backend or "inductor", train.torch_compile_mode)
     kwargs = train.activation_checkpointing_kwargs or {}

@@ -15,18 +15,29 @@ from __future__ import annotations
 
 import signal
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from engine import hookimpl
+from engine.config import option
 from engine.errors import TrainingPreempted
+
+
+@dataclass
+class SigtermOptions:
+    """``[train]`` keys of builtin.sigterm: a checkpoint on SIGTERM."""
+
+    enable_jit_checkpoint: bool = option(False, help=(
+        "a SIGTERM saves a checkpoint at the end of the current step and stops the run (exit status 143), "
+        "resumable with resume_from_checkpoint = true"))
 
 
 class Sigterm:
     """One instance per run: the handler installed for training, and whether the signal came."""
 
-    TRAIN_KEYS = ("enable_jit_checkpoint",)  # the [train] keys it owns
+    TRAIN_OPTIONS = SigtermOptions  # the [train] keys it reads: engine.config.TrainConfig has them
 
     def __init__(self):
         self.installed = False

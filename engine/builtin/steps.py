@@ -4,14 +4,27 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 
 import torch
 
 from engine import hookimpl
+from engine.config import option
 from engine.errors import ConfigError
 from engine.state import StepOutput
 
 _NO_CONTEXT = contextlib.nullcontext()
+
+
+@dataclass
+class StepOptions:
+    """``[train]`` keys of builtin.steps (a plugin stepping in its place, or a layer-wise optimizer, reads
+    them too)."""
+
+    max_grad_norm: float = option(1.0, shared=True, min=0, help="clip the global gradient norm to this; 0 disables")
+
+
+TRAIN_OPTIONS = StepOptions  # the [train] keys it reads: engine.config.TrainConfig has them
 
 
 @hookimpl

@@ -22,18 +22,22 @@ says the task (``BertForSequenceClassification`` -> sequence-classification); el
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import torch
 
 from engine import hookimpl
 from engine.builtin.data.task_rows import class_names, configured_id2label
 from engine.builtin.generation import check_generation_values, generation
-from engine.config import TrainConfig
+from engine.config import option
 from engine.errors import ConfigError
 from engine.kit.models import model_config
 from engine.loss import IGNORE_INDEX
 from engine.util import is_datasets_object
+
+if TYPE_CHECKING:  # TrainConfig is assembled from the builtins' options: not at import
+    from engine.config import TrainConfig
 
 CAUSAL_LM, SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION, SEQ2SEQ = (
     "causal-lm", "sequence-classification", "token-classification", "seq2seq")
@@ -223,8 +227,25 @@ def collator(task: str, tokenizer: Any, model: torch.nn.Module | None) -> Callab
 # ---------------------------------------------------------------------------- the plugin
 
 
+@dataclass
+class TaskOptions:
+    """``[train]`` keys of builtin.tasks: the classes of a classification task."""
+
+    num_labels: int | None = option(None, shared=True, min=1, help=(
+        "classification: number of classes (default: from id2label, the data's ClassLabel names, else the "
+        "largest label + 1; 1 for float labels: regression)"))
+    id2label: dict[str, str] | None = option(None, shared=True, help=(
+        "classification: class names by id, {0 = \"neg\", 1 = \"pos\"} (default: the data's ClassLabel names)"))
+    label2id: dict[str, int] | None = option(None, shared=True, help=(
+        "classification: class ids by name; string labels in the data are mapped with it"))
+    problem_type: Literal["single_label_classification", "multi_label_classification", "regression"] | None = \
+        option(None, shared=True, help="sequence classification: the model's loss (default: the model's choice from the labels)")
+
+
 class Tasks:
     """The task builtin, one per run (it remembers whether the model was given, for its messages)."""
+
+    TRAIN_OPTIONS = TaskOptions  # the [train] keys it reads: engine.config.TrainConfig has them
 
     def __init__(self) -> None:
         self.model_given = False

@@ -26,12 +26,23 @@ import math
 from typing import Any
 
 from engine import hookimpl
-from engine.catalogue import TRAINER_FIELDS, UNSUPPORTED_OPTIMIZERS, provider_of
+from engine.catalogue import UNSUPPORTED_OPTIMIZERS, provider_of
 from engine.errors import ConfigError
 from engine.kit.mappings import (ACCEPTED, BUILTIN, PLUGIN, REFUSED, Answer, Conversion, accepted, builtin, flag,
                                  load_json, plugin, plugin_mappings, refused, unavailable, write)
 
 TRANSFORMERS_VERSION = "5.24"  # FIELDS answers this release's TrainingArguments
+# What a first-party plugin answers for `engine migrate` (its hook trainer_argument_mappings): asked when
+# installed, else named with its extra.
+TRAINER_FIELDS = {  # TrainingArguments field -> the plugin that answers it
+    "fsdp": "fsdp", "fsdp_config": "fsdp", "deepspeed": "deepspeed", "ddp_find_unused_parameters": "ddp",
+    "ddp_bucket_cap_mb": "ddp", "ddp_broadcast_buffers": "ddp", "ddp_static_graph": "ddp",
+    "use_liger_kernel": "liger", "liger_kernel_config": "liger", "neftune_noise_alpha": "neftune",
+    "project": "trackio", "trackio_space_id": "trackio", "trackio_bucket_id": "trackio",
+    "trackio_static_space_id": "trackio", "push_to_hub": "hub", "hub_token": "hub", "hub_private_repo": "hub",
+    "hub_model_id": "hub", "hub_strategy": "hub", "hub_always_push": "hub", "hub_revision": "hub",
+    "logging_dir": "tensorboard",
+}
 
 TRACKERS = ("tensorboard", "mlflow", "wandb", "trackio")  # report_to names the engine has a plugin for
 STRATEGIES = ("deepspeed", "fsdp", "ddp")  # one per run; when several are asked for, the first wins (as Trainer)
@@ -170,7 +181,7 @@ def check_raw_config(raw: dict[str, Any]) -> None:
 
 
 def provided() -> Answer:
-    """A field its plugin answers (hook ``trainer_argument_mappings``); the catalogue names the plugin."""
+    """A field its plugin answers (hook ``trainer_argument_mappings``); ``TRAINER_FIELDS`` names the plugin."""
     return Answer(PLUGIN, convert=_not_installed)
 
 

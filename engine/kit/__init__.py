@@ -7,12 +7,15 @@ A plugin imports top-level ``engine`` names and these modules, nothing else of t
   ``DistributedStrategy``, ``strategy_name``, the launcher's ranks (``env_rank``,
   ``is_main_process``).
 * :mod:`engine.kit.checkpoint`: checkpoint and model files for a strategy's checkpoint I/O or a
-  checkpoint target (hub, mlflow): writing and reading weights, restoring state files, the
-  finite-weights check, the final model's files, the marker and weights file names.
+  checkpoint target (hub, mlflow): the weights a checkpoint holds (``ModelWeights``), writing,
+  reading and checking weights and model folders, restoring state files, the finite-weights
+  check, the final model's files, the marker and weights file names.
 * :mod:`engine.kit.models`: the transformers config ``train.model`` names (``model_config``)
   and the positions a config declares (``max_positions``), before the model is built.
 * :mod:`engine.kit.lowrank`: low-rank projection optimizers (GaLore, APOLLO): target groups,
   layerwise stepping, projector checkpoints and their configure-time checks.
+* :mod:`engine.kit.loaders`: what a DataLoader takes of a run (``loader_data``: the columns the model's
+  forward takes; ``loader_options``: the ``[train] dataloader_*`` arguments; ``example_lengths``).
 * :mod:`engine.kit.mappings`: what a plugin contributes to ``engine migrate`` (its
   ``TrainingArguments`` fields) and to ``--accelerate-config`` (its Accelerate keys).
 

@@ -34,7 +34,6 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import TrainConfig
 from ..errors import CheckpointError, ConfigError
 from ..optim import target_linear_parameters
 from ..strategy import strategy_name
@@ -44,7 +43,6 @@ __all__ = ["LAYERWISE", "is_layerwise", "check", "check_layerwise", "warn_unused
            "detach", "restore"]
 
 LAYERWISE = "_layerwise"
-_TRAIN_DEFAULTS = TrainConfig()  # a [train] value that differs from these was set by the user
 
 
 def is_layerwise(name: str) -> bool:
@@ -95,9 +93,11 @@ def warn_unused_train_keys(run: Any, keys: tuple[str, ...], logger: logging.Logg
 
     Logs "<optim>: train.<key> = <value>, ... <note>".
     """
-    train = run.config.train
+    from ..config import TrainConfig  # assembled from the builtins' options: not at import
+
+    train, defaults = run.config.train, TrainConfig()  # a [train] value that differs from these was set by the user
     changed = [f"{key} = {getattr(train, key)}" for key in keys
-               if getattr(train, key) != getattr(_TRAIN_DEFAULTS, key)]
+               if getattr(train, key) != getattr(defaults, key)]
     if changed:
         logger.warning("%s: train.%s %s", train.optim, ", train.".join(changed), note)
 

@@ -17,8 +17,8 @@
 A plugin returns its answers from the hooks ``trainer_argument_mappings`` (``{field: Answer}``) and
 ``accelerate_mappings`` (``{Accelerate key: handler}``); :func:`plugin_mappings` asks an installed
 plugin for them, enabled in a run or not. The table of every field is the builtin ``trainer_args``
-plugin's (:mod:`engine.builtin.trainer_args`); the catalogue (:mod:`engine.catalogue`) names the
-first-party plugin that answers a field or key.
+plugin's (:mod:`engine.builtin.trainer_args`, whose ``TRAINER_FIELDS`` names the first-party plugin
+that answers a field; :mod:`engine.tooling.accelerate_config`'s ``ACCELERATE_KEYS`` the one of a key).
 """
 
 from __future__ import annotations
@@ -26,14 +26,41 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from engine.catalogue import FIRST_PARTY
-from engine.config import SECRET_MASK, TrainConfig, check_nesting, check_value
+from engine.config import SECRET_MASK, check_nesting, check_value
 from engine.errors import ConfigError
-from engine.util import is_secret_name, mask_secrets, one_line, read_small_text
+from engine.util import decode_utf8, is_secret_name, mask_secrets
 
 ACCEPTED, PLUGIN, BUILTIN, REFUSED, NOT_YET = "accepted", "plugin", "builtin", "refused", "not yet"
+
+
+def read_small_text(path: str | Path, what: str, fix: str, limit: int = 1 << 20) -> str:
+    """The UTF-8 text of ``path``, a regular file of at most ``limit`` bytes. A missing file, a folder, a
+    device or pipe (``/dev/zero`` would never end), a larger or binary file is one ConfigError naming
+    ``what`` and saying ``fix``."""
+    path = Path(path)
+    try:
+        if not path.is_file():
+            problem = ": no such file" if not path.exists() else " is a folder" if path.is_dir() else \
+                " is not a regular file"
+            raise ConfigError(f"{what}{problem}; {fix}")
+        with path.open("rb") as file:
+            data = file.read(limit + 1)  # no more, whatever its size says
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what}: {exc.strerror}") from None
+    if len(data) > limit:
+        raise ConfigError(f"{what} is larger than {limit:,} bytes; {fix}")
+    return decode_utf8(data, what, fix)
+
+
+def one_line(text: Any) -> str:
+    """``text`` (a string, or any key of a user's file) as it is when printable, else its repr: line breaks and
+    control characters escaped, so that it can neither break a one-line message nor end a TOML comment."""
+    text = str(text)
+    return text if text.isprintable() else repr(text)
 KINDS = (ACCEPTED, PLUGIN, BUILTIN, REFUSED, NOT_YET)
 
 
@@ -296,6 +323,8 @@ def same_as_train(train_key: str) -> Callable[..., None]:
     """A DeepSpeed value that the engine takes from [train] (both must agree, so it sets it)."""
 
     def handle(mapping: Mapping, key: str, value: Any) -> None:
+        from engine.config import TrainConfig  # assembled from the builtins' options: not at import
+
         try:
             checked = check_value(TrainConfig, train_key, value, f"train.{train_key}")
         except ConfigError as exc:

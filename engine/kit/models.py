@@ -12,12 +12,14 @@ import difflib
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..checkpoint import check_model_folder
-from ..config import TrainConfig
+from .checkpoint import check_model_folder
 from ..errors import ConfigError
 from ..util import is_callable_spec
+
+if TYPE_CHECKING:
+    from ..config import TrainConfig  # assembled from the builtins' options: not at import
 
 _LLAMA = {"model_type": "llama", "hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
 BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {

@@ -23,11 +23,13 @@ from typing import Any, Callable
 
 from engine.config import MAX_NESTING
 from engine.errors import ConfigError
-from engine.catalogue import ACCELERATE_KEYS, ACCELERATE_STRATEGIES
-from engine.kit.mappings import (Mapping, accept_only, boolean, check_type, plugin_mappings, show_setting,
-                                 unavailable)
-from engine.util import one_line, read_small_text
+from engine.kit.mappings import (Mapping, accept_only, boolean, check_type, one_line, plugin_mappings, read_small_text,
+                                 show_setting, unavailable)
 
+# What a first-party plugin answers for `--accelerate-config` (its hook accelerate_mappings): asked when
+# installed, else named with its extra.
+ACCELERATE_KEYS = {"fsdp_config": "fsdp", "deepspeed_config": "deepspeed"}  # Accelerate config key -> plugin
+ACCELERATE_STRATEGIES = {"MULTI_GPU": "ddp", "MULTI_CPU": "ddp", "FSDP": "fsdp", "DEEPSPEED": "deepspeed"}
 STRATEGY_PLUGINS = {**ACCELERATE_STRATEGIES, "NO": None}  # distributed_type -> the strategy plugin it enables
 MAX_CONFIG_BYTES = 1 << 20
 MAX_VALUES = 10_000  # once aliases are expanded; `accelerate config` writes a few dozen

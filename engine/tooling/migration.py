@@ -29,8 +29,8 @@ from typing import Any
 from engine.builtin.trainer_args import ENABLED_BY, FIELDS, SEQ2SEQ_FIELDS, STRATEGIES, answer_for
 from engine.config import SECRET_MASK, TrainConfig, check_nesting, check_value, toml_key, toml_value
 from engine.errors import ConfigError, EngineError
-from engine.kit.mappings import ACCEPTED, BUILTIN, PLUGIN, Conversion, load_json, show
-from engine.util import is_secret_name, mask_secrets, one_line, read_small_text
+from engine.kit.mappings import ACCEPTED, BUILTIN, PLUGIN, Conversion, load_json, one_line, read_small_text, show
+from engine.util import is_secret_name, mask_secrets
 
 MAX_ARGUMENTS_BYTES = 1 << 20
 # what TrainingArguments does not hold: left as commented keys for the user to fill in

@@ -19,6 +19,7 @@ import torch
 
 from engine import hookimpl
 from engine.errors import ConfigError
+from engine.kit.loaders import loader_data
 from engine.kit.models import model_config
 from engine.util import is_datasets_object
 
@@ -28,17 +29,20 @@ from .build import (
 )
 from .checks import input_limits
 from .collators import collator_for, enable_document_packing
+from .options import DataOptions
 from .sources import show_progress
 from .streaming import ResumableStream
 from .task_rows import label_ids_by_name
 from .tokenizer import build_tokenizer, check_tokenizer_source, has_tokenizer, load_tokenizer
+
+DATA_OPTIONS = DataOptions  # the [data] keys it reads: engine.config.DataConfig has them
 
 
 @hookimpl
 def configure(run):
     train, data = run.config.train, run.config.data
     if run.tokenizer is None and run.model is None and run.model_init is None and Path(train.model).is_dir():
-        from engine.checkpoint import check_model_folder
+        from engine.kit.checkpoint import check_model_folder
 
         check_model_folder(Path(train.model), "train.model")  # a damaged folder says so first
         check_tokenizer_source(data, train.model)  # before anything loads: engine plan says it too
@@ -127,7 +131,7 @@ def _check_label_names(run) -> None:
     dataset = next((d for d in evaluation.values() if d is not None), run.train_dataset)
     if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__"):
         return  # a stream: its first batch is not read ahead
-    dataset, collator = run.loader_data(dataset, "eval dataset")
+    dataset, collator = loader_data(run, dataset, "eval dataset")
     if len(dataset) == 0:
         return
     example = dataset[0]

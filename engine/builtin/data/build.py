@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from torch.utils.data import Dataset as TorchDataset
 
-from engine.config import DataConfig
 from engine.errors import ConfigError
 from engine.state import Datasets
 from engine.util import call_user, is_callable_spec, is_datasets_object, load_callable
@@ -27,6 +26,7 @@ from .sources import (
 from .streaming import ResumableStream, raise_explained
 
 if TYPE_CHECKING:
+    from engine.config import DataConfig  # assembled from the builtins' options: not at import
     from transformers import PreTrainedTokenizerBase
 
 

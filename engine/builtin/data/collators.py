@@ -6,11 +6,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from engine.config import DataConfig
 from engine.errors import ConfigError
 from engine.loss import IGNORE_INDEX
 
 if TYPE_CHECKING:
+    from engine.config import DataConfig  # assembled from the builtins' options: not at import
     from transformers import PreTrainedTokenizerBase
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from engine.config import DataConfig
 from engine.errors import ConfigError
 
 from .checks import MAP_BATCH_SIZE, ModelLimits, _learnable, check_token_rows
@@ -18,6 +17,7 @@ from .sources import column_names, data_kind, logger
 from .task_rows import _Pipeline, prepare_task_rows
 
 if TYPE_CHECKING:
+    from engine.config import DataConfig  # assembled from the builtins' options: not at import
     from transformers import PreTrainedTokenizerBase
 
 

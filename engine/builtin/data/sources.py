@@ -22,11 +22,13 @@ import random
 import re
 import sysconfig
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
-from engine.config import DataConfig
 from engine.errors import ConfigError
 from engine.util import is_callable_spec
+
+if TYPE_CHECKING:
+    from engine.config import DataConfig  # assembled from the builtins' options: not at import
 
 
 logger = logging.getLogger("engine")

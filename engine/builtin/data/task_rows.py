@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import xxhash
 
-from engine.config import DataConfig, TrainConfig
 from engine.errors import ConfigError
 from engine.loss import IGNORE_INDEX
 
 from .sources import BadRow, LARGE_ROWS, _a, _check_strings, _progress, column_names, logger, text_batches
 
 if TYPE_CHECKING:
+    from engine.config import DataConfig, TrainConfig  # assembled from the builtins' options: not at import
     from transformers import PreTrainedTokenizerBase
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
-from engine.config import DataConfig
 from engine.errors import ConfigError
 from engine.util import is_callable_spec
 
@@ -13,6 +12,7 @@ from .sources import data_kind, load_source, logger, text_batches
 from .task_rows import check_columns, tokenizer_texts
 
 if TYPE_CHECKING:
+    from engine.config import DataConfig  # assembled from the builtins' options: not at import
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 

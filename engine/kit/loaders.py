@@ -1,5 +1,12 @@
-"""What the loaders take of a dataset: the columns the model's forward takes
-(``train.remove_unused_columns``, as Trainer) and each example's length (``group_by_length``)."""
+"""What a DataLoader takes of a run: the examples' columns the model's forward takes
+(``train.remove_unused_columns``, as Trainer), each example's length (``group_by_length``) and the
+``[train] dataloader_*`` arguments.
+
+For a plugin that makes a loader (``create_train_loader``, an evaluation pass)::
+
+    dataset, collator = loader_data(run, dataset, "eval dataset")
+    loader = torch.utils.data.DataLoader(dataset, batch_size=8, collate_fn=collator, **loader_options(run))
+"""
 
 from __future__ import annotations
 
@@ -8,10 +15,33 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import ConfigError
-from .util import is_datasets_object, is_peft_model
+from engine.errors import ConfigError
+from engine.state import RunView
+from engine.util import is_datasets_object, is_peft_model
 
 logger = logging.getLogger("engine")
+
+
+def loader_data(run: RunView, dataset: Any, key: str) -> tuple[Any, Callable[[list[Any]], Any]]:
+    """The dataset and collator a loader of ``dataset`` uses: the examples' keys that the model's forward
+    does not take left out (``train.remove_unused_columns``, as Trainer)."""
+    if not run.config.train.remove_unused_columns:
+        return dataset, run.data_collator
+    return without_unused_columns(dataset, run.data_collator, forward_columns(run.model, run.label_names),
+                                  run.model, key)
+
+
+def loader_options(run: RunView) -> dict[str, Any]:
+    """The DataLoader arguments ``[train] dataloader_*`` set, for the train and evaluation loaders."""
+    train = run.config.train
+    options = {"num_workers": train.dataloader_num_workers,
+               "pin_memory": train.dataloader_pin_memory and run.strategy.device.type == "cuda",
+               "in_order": train.dataloader_in_order}
+    if train.dataloader_num_workers:
+        options.update(persistent_workers=train.dataloader_persistent_workers,
+                       prefetch_factor=train.dataloader_prefetch_factor,
+                       multiprocessing_context=train.dataloader_multiprocessing_context)
+    return options
 
 
 def forward_columns(model: torch.nn.Module, label_names: list[str]) -> list[str]:
