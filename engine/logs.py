@@ -50,6 +50,8 @@ KNOWN_NOISE = {
     "torch.utils._pytree": ("%s is an Enum subclass and is now natively supported",),
     # bitsandbytes' optional `kernels` package for a faster CPU 4-bit matmul
     "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward from kernels-community",),
+    # ... and the `kernels` package itself when it is asked for that kernel with the Hub offline (transformers 5.25)
+    "kernels._internals.hf_hub": ("Skipping publisher trust check for ",),
     # DeepSpeed (which transformers imports when it is installed) on a machine without a GPU
     "DeepSpeed": ("Setting accelerator to CPU",),
     # datasets on a JSON file it cannot parse, before it raises: the engine's error names the line
