@@ -411,7 +411,7 @@ def on_build_end(run: RunView) -> None:
     """
 
 
-# ---------------------------------------------------------------------------- setup: patching and the optimizer
+# ---------------------------------------------------------------- setup: patching, the train loader, the optimizer
 
 
 @hookspec
@@ -430,29 +430,6 @@ def patch_model(run: RunView, model: torch.nn.Module) -> Callable[[], None] | No
             handle = model.get_input_embeddings().register_forward_hook(add_noise)
             return handle.remove
     """
-
-
-@hookspec(firstresult=True)
-def create_optimizer(run: RunView) -> torch.optim.Optimizer | None:
-    """Create the optimizer.
-
-    **When**: once, after :func:`patch_model`, before the strategy prepares model and
-    optimizer. **Combine**: firstresult. The builtin looks ``train.optim`` up in the
-    optimizer registry and calls the factory; implement this hook only to bypass names.
-    """
-
-
-@hookspec(firstresult=True)
-def create_scheduler(run: RunView, optimizer: torch.optim.Optimizer) -> Any:
-    """Create the learning-rate scheduler for ``optimizer``.
-
-    **When**: once, right after :func:`create_optimizer`; ``run.num_training_steps`` is
-    known. **Combine**: firstresult. The builtin looks ``train.lr_scheduler_type`` up in the
-    scheduler registry, with warmup from ``warmup_steps`` / ``warmup_ratio``.
-    """
-
-
-# ---------------------------------------------------------------------------- setup: the train loader
 
 
 @hookspec(firstresult=True)
@@ -476,6 +453,26 @@ def create_train_loader(run: RunView) -> torch.utils.data.DataLoader | None:
             dataset, collator = loader_data(run, run.train_dataset, "train dataset")
             return torch.utils.data.DataLoader(dataset, batch_size=8, shuffle=True, collate_fn=collator,
                                                generator=torch.Generator())
+    """
+
+
+@hookspec(firstresult=True)
+def create_optimizer(run: RunView) -> torch.optim.Optimizer | None:
+    """Create the optimizer.
+
+    **When**: once, after :func:`patch_model`, before the strategy prepares model and
+    optimizer. **Combine**: firstresult. The builtin looks ``train.optim`` up in the
+    optimizer registry and calls the factory; implement this hook only to bypass names.
+    """
+
+
+@hookspec(firstresult=True)
+def create_scheduler(run: RunView, optimizer: torch.optim.Optimizer) -> Any:
+    """Create the learning-rate scheduler for ``optimizer``.
+
+    **When**: once, right after :func:`create_optimizer`; ``run.num_training_steps`` is
+    known. **Combine**: firstresult. The builtin looks ``train.lr_scheduler_type`` up in the
+    scheduler registry, with warmup from ``warmup_steps`` / ``warmup_ratio``.
     """
 
 
