@@ -80,3 +80,31 @@ def test_on_prediction_step_counts_the_batches_of_each_pass(tmp_path):
     assert calls == [(1, 3), (2, 3), (3, 3)]  # 10 rows in batches of 4
     run.predict(tiny_dataset(size=4, seed=2))
     assert calls[3:] == [(1, 1)]
+
+
+def test_the_bar_starts_again_with_the_new_step_count_after_an_auto_find_batch_size_restart(tmp_path):
+    # batch 8 runs out of memory at its first step; 7 fits: 64 rows are 10 steps an epoch instead of 8
+    script = tmp_path / "restart.py"
+    script.write_text(f"""
+import torch
+from engine import hookimpl
+from engine.testing import run_steps
+
+class OutOfMemoryAbove7:
+    @hookimpl
+    def patch_model(self, run, model):
+        def check(module, args, kwargs):
+            if kwargs["input_ids"].shape[0] > 7:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        return model.register_forward_pre_hook(check, with_kwargs=True).remove
+
+run = run_steps(-1, objects=[OutOfMemoryAbove7()], output_dir={str(tmp_path / "out")!r},
+                train={{"num_train_epochs": 1, "per_device_train_batch_size": 8, "auto_find_batch_size": True,
+                        "disable_tqdm": False, "save_strategy": "no", "logging_steps": 100}})
+assert run.config.train.per_device_train_batch_size == 7
+""")
+    status, screen = _in_pty([sys.executable, str(script)])
+    assert status == 0, screen[-3000:]
+    draws = [part for part in re.split(r"[\r\n]", screen) if part.startswith("train:")]
+    assert any("| 10/10 [" in d for d in draws), screen[-3000:]
+    assert not any(re.search(r"\| \d+/8 \[", d) for d in draws[-3:]), draws[-3:]  # not the first attempt's total

@@ -67,6 +67,11 @@ class Console:
             self.bar.update(run.state.global_step - self.bar.n)
 
     @hookimpl
+    def on_restart(self, run):
+        if self.bar is not None:  # auto_find_batch_size: the steps count again from 0, and may be more now
+            self.bar.reset(total=run.state.max_steps)
+
+    @hookimpl
     def on_prediction_step(self, run, step, total):
         if step == 1 and self._draws(run):
             self._close_eval_bar()
