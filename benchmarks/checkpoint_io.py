@@ -10,9 +10,9 @@ lr 1e-3, weight decay 0) and a linear schedule and trains one step on the same b
 optimizer state is populated and the weights stay identical. Then, per round:
 
 * ``engine``   save: ``checkpoint.save(run)`` on a set-up ``engine.Run`` (with the finite-weights
-               check and the manifest's xxh3-64 checksum of every file); load: ``validate`` (which
-               verifies every checksum) + ``load`` (weights, optimizer, scheduler, RNG, state)
-               into a fresh set-up Run;
+               check and the manifest's xxh3-64 checksum of every file); load: ``check_checkpoint``
+               (which verifies every checksum) + ``restore_checkpoint`` (weights, optimizer,
+               scheduler, RNG, state) into a fresh set-up Run;
 * ``trainer``  save: ``trainer._save_checkpoint(model, trial=None)`` (what ``Trainer.train``
                calls) after ``create_optimizer_and_scheduler``; load: what ``Trainer.train``
                does on resume: ``_load_from_checkpoint``, ``TrainerState.load_from_json``,
@@ -117,8 +117,8 @@ class EngineContender(Contender):
         return checkpoint.save(self.owner)
 
     def restore(self, run: engine.Run, path: Path) -> None:
-        checkpoint.validate(run, path)
-        checkpoint.load(run, path)
+        run.hook.check_checkpoint(run=run, path=path)  # what a resume does: builtin.resume's checks and restore
+        run.hook.restore_checkpoint(run=run, path=path)
 
 
 class TrainerContender(Contender):

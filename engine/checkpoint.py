@@ -23,8 +23,8 @@ Layout (Hugging Face compatible)::
 
 Which weights are saved, in which files, is ``run.weights`` (:class:`engine.ModelWeights`, the
 answer to the ``checkpoint_weights`` hook): every weight in the layout above, or the part a plugin
-selects (peft's adapter, in its own layout). Writing, reading and checking model folders is
-:mod:`engine.kit.checkpoint`'s; this module checks the weights files a checkpoint holds.
+selects (peft's adapter, in its own layout). Writing, reading and checking model folders, and
+the safetensors headers of a checkpoint's weights, is :mod:`engine.kit.checkpoint`'s.
 
 Crash safety: a checkpoint is written into ``.tmp-checkpoint-<step>`` and renamed into place,
 so a folder named ``checkpoint-<step>`` is always complete (the manifest guards against copies).
@@ -35,9 +35,11 @@ manifest last: a folder without ``model_complete`` holds no final model. Leftove
 run are removed (a half-moved final model rolled back) when the next run starts.
 
 Before anything is written, the weights are checked to be finite: a diverged run never leaves
-nan on disk. Resume validates the checkpoint before the model is built (files present, plugin
-set, data order, optimizer name, every checksum) and restores it after, applying the
-hyper-parameters that changed since (learning rate, schedule, weight decay, betas, epsilon).
+nan on disk. What a resume accepts and how the run goes on (the checks before the model is
+built, the restore after, the hyper-parameters that changed since) is the resume builtin's
+(``builtin.resume``, through the ``resolve_checkpoint``, ``check_checkpoint`` and
+``restore_checkpoint`` hooks); it reads the files with :func:`read_trainer_state`,
+:func:`load_state_file` and :func:`restoring`.
 """
 
 from __future__ import annotations
@@ -47,22 +49,17 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import os
 import random
 import re
 import shutil
-import warnings
-import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import xxhash
 
-from .catalogue import CHECKPOINT_SOURCES
-from .config import START_KEYS, RunConfig, parse_optim_args
-from .errors import CheckpointError, ConfigError, PluginError, TrainingDiverged
+from .errors import CheckpointError, PluginError, TrainingDiverged
 from .layout import (
     DELETING,
     FINAL_MARKER,
@@ -70,8 +67,6 @@ from .layout import (
     MARKER,
     PREFIX,
     TMP,
-    WEIGHTS,
-    WEIGHTS_INDEX,
 )
 from .util import dumps_json
 
@@ -93,22 +88,14 @@ def data_order(run: RunView) -> dict[str, int]:
     seed = train.data_seed if train.data_seed is not None else train.seed
     return {"seed": seed, "global_batch_size": train.per_device_train_batch_size * run.strategy.world_size,
             "gradient_accumulation_steps": train.gradient_accumulation_steps}
-# config keys whose change on resume means the saved scheduler state is stale: a fresh
-# scheduler from the current config is advanced to the resumed step instead
-SCHEDULE_KEYS = ("train.learning_rate", "train.lr_scheduler_type", "train.lr_scheduler_kwargs",
-                 "train.warmup_steps", "train.warmup_ratio", "train.max_steps", "train.num_train_epochs")
-# config key -> optimizer param-group keys it sets; a change is copied from the freshly built
-# optimizer into the restored one (the learning rate through initial_lr and the scheduler)
-GROUP_KEYS = {"train.learning_rate": ("initial_lr",), "train.weight_decay": ("weight_decay",),
-              "train.adam_beta1": ("betas",), "train.adam_beta2": ("betas",), "train.adam_epsilon": ("eps",)}
-# [train] keys besides the data order's (data_order) that change the batches of an epoch, as the
-# [data] keys and the plugins' sections may (a create_datasets plugin)
-DATA_TRAIN_KEYS = ("train.model", "train.task", "train.dataloader_drop_last")
+
+
 _CHUNK = 8 << 20  # bytes read at a time
 _THREADED_BYTES = 64 << 20
 
 
-def _rng_file(rank: int) -> str:
+def rng_file(rank: int) -> str:
+    """The name of process ``rank``'s RNG file in a checkpoint."""
     return "rng_state.pt" if rank == 0 else f"rng_state_{rank}.pt"
 
 
@@ -179,7 +166,7 @@ def verify_manifest(folder: Path, marker: str = MARKER, names: list[str] | None 
 def saved_progress(folder: Path) -> tuple[int, float]:
     """(step, epoch) at which a checkpoint or final model was saved ((0, 0.0) for other model folders)."""
     if (folder / "trainer_state.json").is_file():
-        state = _read_trainer_state(folder)
+        state = read_trainer_state(folder)
         return state["global_step"], float(state["epoch"])
     if (folder / FINAL_MARKER).is_file():
         manifest = read_manifest(folder, FINAL_MARKER)
@@ -344,74 +331,6 @@ def diverged(run: RunView, what: str, step: int | None = None) -> TrainingDiverg
                             f"{kept}. Lower train.learning_rate (or raise the warmup){skip}")
 
 
-def weight_files(folder: Path) -> list[Path]:
-    """The safetensors files of a model folder (one file, or the shards an index names)."""
-    index_path = folder / WEIGHTS_INDEX
-    if not index_path.is_file():
-        return [folder / WEIGHTS]
-    try:
-        index = json.loads(index_path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError):
-        raise CheckpointError(f"{folder}: {WEIGHTS_INDEX} is not valid JSON") from None
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map or not all(
-            isinstance(name, str) and name and "/" not in name and "\\" not in name for name in weight_map.values()):
-        raise CheckpointError(f"{folder}: {WEIGHTS_INDEX} has no weight_map of tensor name -> file name in the folder")
-    return [folder / name for name in sorted(set(weight_map.values()))]
-
-
-# bytes per element of each safetensors dtype
-_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2, "I16": 2,
-                "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8, "C64": 8}
-
-
-def check_safetensors(path: Path) -> None:
-    """Refuse a missing, truncated or malformed safetensors file from its header, without loading it."""
-    if not path.is_file():
-        raise CheckpointError(f"{path.parent}: {path.name} is missing")
-    size = path.stat().st_size
-    with open(path, "rb") as handle:
-        prefix = handle.read(8)
-        header_len = int.from_bytes(prefix, "little") if len(prefix) == 8 else size
-        if 8 + header_len > size:
-            raise CheckpointError(f"{path.parent}: {path.name} is truncated ({size} bytes)")
-        try:
-            header = json.loads(handle.read(header_len))
-        except (ValueError, UnicodeDecodeError):
-            raise CheckpointError(f"{path.parent}: {path.name} is not a safetensors file") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path.parent}: {path.name} has a malformed header (not a JSON object)")
-    data_end = 0
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        problem = _tensor_entry_problem(entry)
-        if problem:
-            raise CheckpointError(f"{path.parent}: {path.name} has a malformed header: tensor {name!r} {problem}")
-        data_end = max(data_end, entry["data_offsets"][1])
-    if 8 + header_len + data_end != size:
-        raise CheckpointError(f"{path.parent}: {path.name} is truncated or padded "
-                              f"({size} bytes, header says {8 + header_len + data_end})")
-
-
-def _tensor_entry_problem(entry: Any) -> str | None:
-    """What is wrong with one tensor's entry of a safetensors header (None: nothing)."""
-    if not isinstance(entry, dict):
-        return "is not an object"
-    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in _DTYPE_BYTES:
-        return f"has dtype {dtype!r}"
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                              for d in shape):
-        return f"has shape {shape!r}"
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
-            and 0 <= offsets[0] <= offsets[1]):
-        return f"has data_offsets {offsets!r}"
-    if offsets[1] - offsets[0] != math.prod(shape) * _DTYPE_BYTES[dtype]:
-        return f"of shape {shape} {dtype} does not fill its {offsets[1] - offsets[0]} bytes"
-    return None
-
-
 # ---------------------------------------------------------------------------- save
 
 
@@ -458,7 +377,7 @@ def save(run: RunView) -> Path:
                 check_finite_weights(run, model_state, final.name)
                 run.weights.write(run, tmp, model_state)
         else:
-            torch.save(rng_state(), tmp / _rng_file(strategy.rank))
+            torch.save(rng_state(), tmp / rng_file(strategy.rank))
             strategy.save_checkpoint_files(run, tmp, final.name)
         strategy.barrier()
         if strategy.is_main_process:
@@ -514,144 +433,10 @@ def save_final_model(run: RunView) -> None:
     run.strategy.barrier()
 
 
-# ---------------------------------------------------------------------------- resume
+# ---------------------------------------------------------------------------- reading checkpoints
 
 
-def find_resume_checkpoint(run: RunView, folder_run_id: str | None) -> Path | None:
-    """The checkpoint ``train.resume_from_checkpoint`` names, validated; None to start fresh.
-
-    ``true`` takes the newest complete checkpoint of the run recorded in output_dir
-    (``folder_run_id``; any run's when the folder has no record); a string is a path, or a name
-    a plugin's ``locate_checkpoint`` fetches (``"hub"``). Runs before the model is
-    built, so a bad checkpoint stops the run before anything loads.
-    """
-    spec = run.config.train.resume_from_checkpoint
-    if spec is None or spec is False:
-        return None
-    if spec is True:
-        found = list_checkpoints(run.output_dir, folder_run_id)
-        if not found:
-            logger.info("resume_from_checkpoint = true but %s holds no checkpoint; starting from scratch",
-                        run.output_dir)
-            return None
-        path = found[-1]
-    else:  # a plugin may know the name (e.g. "hub") and fetch the checkpoint first
-        path = Path(run.hook.locate_checkpoint(run=run, spec=spec) or spec)
-    validate(run, path)
-    return path
-
-
-# strings that read as a boolean in other formats (YAML, JSON from a shell): here they would be a path
-_BOOLEAN_WORDS = {"true": True, "yes": True, "on": True, "false": False, "no": False, "off": False, "none": False,
-                  "null": False}
-
-
-def check_resume_spec(config: RunConfig) -> None:
-    """Refuse a ``train.resume_from_checkpoint`` string that cannot mean what it says, at configure time.
-
-    As in Trainer, a string is a path (Trainer too reads "true" as a folder named true): a word
-    that reads as a boolean elsewhere, or a name only a plugin that is not enabled fetches, is
-    refused with the fix unless such a folder exists.
-    """
-    spec = config.train.resume_from_checkpoint
-    if not isinstance(spec, str):
-        return
-    key = f"train.resume_from_checkpoint = {spec!r}"
-    if not spec.strip():
-        raise ConfigError(f"{key}: an empty string; name a checkpoint folder, or write true (the newest "
-                          "checkpoint in output_dir) or false")
-    if Path(spec).is_dir():
-        return
-    word = _BOOLEAN_WORDS.get(spec.strip().lower())
-    if word is not None:
-        meaning = "true (the boolean, without quotes: the newest checkpoint in output_dir)" if word else \
-            "false (the boolean, without quotes: start fresh), or leave it unset"
-        raise ConfigError(f"{key} is a string, read as a checkpoint folder, and there is no folder {spec!r}; "
-                          f"write {meaning}, e.g. --set train.resume_from_checkpoint={str(word).lower()}")
-    plugin = CHECKPOINT_SOURCES.get(spec)
-    if plugin is not None and plugin not in config.plugins:
-        raise ConfigError(f"{key}: {spec!r} is fetched by the {plugin} plugin (engine-{plugin}), which this run "
-                          f"does not enable; enable it with plugins = [\"{plugin}\"] and its [{plugin}] section, or "
-                          f"--plugins +{plugin}")
-
-
-def validate(run: RunView, path: Path) -> None:
-    """Refuse a folder that is not a complete checkpoint of this run, naming what is wrong."""
-    if not path.is_dir():
-        raise CheckpointError(f"resume_from_checkpoint: {path} is not a folder")
-    if (path / "trainer_state.json").is_file() and \
-            _read_trainer_state(path)["config"].get("train", {}).get("save_only_model"):
-        raise CheckpointError(f"resume_from_checkpoint: can't resume from a save_only_model checkpoint: {path} holds "
-                              "the model but no optimizer, scheduler or RNG state (train.save_only_model = true); "
-                              "start a fresh run from its weights with train.model = its path")
-    run.weights.check_kind(path, "resume_from_checkpoint")
-    strategy_files = run.strategy.checkpoint_files(path)
-    required = (MARKER, *REQUIRED, *strategy_files)
-    missing = [name for name in required if not (path / name).exists()]
-    if missing:
-        raise CheckpointError(f"resume_from_checkpoint: {path} is not a complete checkpoint "
-                              f"(missing {', '.join(missing)})")
-    trainer_state = _read_trainer_state(path)
-    if trainer_state["plugins"] != list(run.config.plugins):
-        saved, now = set(trainer_state["plugins"]), set(run.config.plugins)
-        raise CheckpointError(
-            f"resume_from_checkpoint: {path} was made with plugins {sorted(saved)}, this run enables "
-            f"{sorted(now)} (only in checkpoint: {sorted(saved - now) or 'none'}; only in run: "
-            f"{sorted(now - saved) or 'none'})")
-    train, strategy = run.config.train, run.strategy
-    saved_batch = trainer_state["config"]["train"].get("per_device_train_batch_size")
-    if train.auto_find_batch_size and isinstance(saved_batch, int) and saved_batch != train.per_device_train_batch_size:
-        # the batch size that run found, as Trainer restores state.train_batch_size
-        logger.info("train.auto_find_batch_size: resuming with the checkpoint's per_device_train_batch_size %d "
-                    "(configured: %d)", saved_batch, train.per_device_train_batch_size)
-        train.per_device_train_batch_size = saved_batch
-    now_order = data_order(run)
-    changed = [f"{_ORDER_NAMES[key]} = {now_order[key]!r} (checkpoint: {value!r})"
-               for key, value in trainer_state["data_order"].items() if now_order.get(key, value) != value]
-    if changed:
-        raise CheckpointError(f"resume_from_checkpoint: {path} was trained with a different data order: "
-                              f"{'; '.join(changed)}. Resume with the checkpoint's values, or start a "
-                              "fresh output_dir")
-    saved_format = trainer_state.get("checkpoint_format", "torch")
-    if saved_format != strategy.checkpoint_format:
-        raise CheckpointError(f"resume_from_checkpoint: {path} holds {saved_format!r} checkpoint files (strategy "
-                              f"{trainer_state.get('strategy')}), this run's strategy {strategy.name} reads "
-                              f"{strategy.checkpoint_format!r}; resume with the checkpoint's strategy and options")
-    saved_world = trainer_state["world_size"]
-    if saved_world != strategy.world_size and not strategy.resumes_other_world_sizes:
-        raise CheckpointError(f"resume_from_checkpoint: {path} was made by {saved_world} processes "
-                              f"({trainer_state.get('strategy')}), this run has {strategy.world_size} "
-                              f"({strategy.name}), which cannot resume it; launch {saved_world} processes")
-    saved_optim = trainer_state["config"]["train"].get("optim")
-    if saved_optim != train.optim and not train.reset_optimizer:
-        raise CheckpointError(
-            f"resume_from_checkpoint: {path} was trained with train.optim = {saved_optim!r}, this run asks for "
-            f"{train.optim!r}, whose state cannot be restored from it; resume with train.optim = {saved_optim!r}, "
-            f"or keep the weights and start {train.optim!r} fresh with train.reset_optimizer = true")
-    try:
-        if WEIGHTS in strategy_files or WEIGHTS_INDEX in strategy_files:
-            for weights_file in weight_files(path):
-                check_safetensors(weights_file)
-        for name in strategy_files:
-            if name.endswith(".safetensors") and name != WEIGHTS:
-                check_safetensors(path / name)
-    except CheckpointError as exc:
-        raise CheckpointError(f"checkpoint {exc}") from None
-    for name in [*REQUIRED[1:], *(n for n in strategy_files if n.endswith(".pt")),
-                 *(p.name for p in path.glob("rng_state*.pt"))]:
-        try:  # torch.save files are zip archives: a truncated one has no central directory
-            zipfile.ZipFile(path / name).close()
-        except (zipfile.BadZipFile, OSError) as exc:
-            raise CheckpointError(f"checkpoint {path}: {name} is truncated or corrupt ({exc})") from None
-    try:
-        verify_manifest(path)
-    except CheckpointError as exc:
-        raise CheckpointError(f"checkpoint {exc}") from None
-
-
-_ORDER_NAMES = {"seed": "train.seed", "global_batch_size": "the global batch (per_device_train_batch_size x "
-                "processes)", "gradient_accumulation_steps": "train.gradient_accumulation_steps"}
-# trainer_state.json: key -> the types its value may have (what validate requires to resume)
+# trainer_state.json: key -> the types its value may have (what a resume requires)
 _TRAINER_STATE = {"global_step": (int,), "epoch": (int, float), "steps_per_epoch": (int,), "log_history": (list,),
                   "plugins": (list,), "world_size": (int,), "data_order": (dict,), "config": (dict,),
                   "strategy": (str,),
@@ -659,7 +444,7 @@ _TRAINER_STATE = {"global_step": (int,), "epoch": (int, float), "steps_per_epoch
                   "best_global_step": (int, type(None)), "best_model_checkpoint": (str, type(None))}
 
 
-def _read_trainer_state(path: Path) -> dict[str, Any]:
+def read_trainer_state(path: Path) -> dict[str, Any]:
     """trainer_state.json, its structure checked: each failure names the key and what was found."""
     where = f"checkpoint {path}: trainer_state.json"
     try:
@@ -698,105 +483,3 @@ def restoring(path: Path, name: str):
         yield
     except (KeyError, ValueError, TypeError, RuntimeError, AttributeError, IndexError) as exc:
         raise CheckpointError(f"checkpoint {path}: {name} does not fit this run: {type(exc).__name__}: {exc}") from None
-
-
-def _flat(mapping: dict[str, Any]) -> dict[str, Any]:
-    """A composed config as {"section.key": value}, in JSON's types (as saved in checkpoints)."""
-    mapping = json.loads(dumps_json(mapping))
-    return {f"{section}.{key}": value for section, values in mapping.items() if isinstance(values, dict)
-            for key, value in values.items()}
-
-
-def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """(key, checkpoint value, current value) for every config key that differs, start keys aside."""
-    before, after = _flat(saved), _flat(current)
-    skip = {f"train.{key}" for key in START_KEYS}
-    return [(key, before.get(key), after.get(key)) for key in sorted(before.keys() | after.keys())
-            if key not in skip and before.get(key) != after.get(key)]
-
-
-def _apply_to_optimizer(optimizer: torch.optim.Optimizer, fresh: list[dict[str, Any]],
-                        changes: list[tuple[str, Any, Any]]) -> dict[str, str]:
-    """Copy the param-group values that changed config keys set from the fresh optimizer into the restored one.
-
-    Returns a note for each changed optimizer key that this optimizer does not use.
-    """
-    notes = {}
-    for key, old, new in changes:
-        group_keys = GROUP_KEYS.get(key, ())
-        if key == "train.optim_args":
-            group_keys = tuple(parse_optim_args(old).keys() | parse_optim_args(new).keys())
-        if not group_keys:
-            continue
-        used = False
-        for group, fresh_group in zip(optimizer.param_groups, fresh):
-            for name in group_keys:
-                if name in fresh_group:
-                    group[name] = fresh_group[name]
-                    used = True
-        if not used:
-            notes[key] = f"not used by {type(optimizer).__name__}"
-    return notes
-
-
-def _advance(scheduler: Any, steps: int) -> None:
-    """Step a freshly built scheduler to ``steps``: the schedule continues where the run is."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()": on purpose
-        for _ in range(steps):
-            scheduler.step()
-
-
-def load(run: RunView, path: str | Path) -> None:
-    """Restore weights, optimizer, scheduler, RNG, state and plugin states from ``path``.
-
-    ``path`` has passed :func:`validate`; the run is set up. Hyper-parameters changed since the
-    checkpoint are applied to the restored optimizer and scheduler and listed in one line.
-    """
-    path = Path(path)
-    trainer_state = _read_trainer_state(path)
-    strategy, train = run.strategy, run.config.train
-    changes = config_changes(trainer_state["config"], run.config.to_mapping())
-    if trainer_state["steps_per_epoch"] != run.state.steps_per_epoch:
-        # the data order's keys were compared in validate: what is left is the data itself
-        data_keys = [(key, old, new) for key, old, new in changes
-                     if not key.startswith("train.") or key in DATA_TRAIN_KEYS]
-        why = ("changed since the checkpoint: " + ", ".join(f"{key} {old!r} -> {new!r}" for key, old, new in data_keys)
-               + "; resume with the checkpoint's values, or start a fresh output_dir") if data_keys else \
-            "the train data changed (no key that selects it did: its contents differ); resume with the same data"
-        raise CheckpointError(f"resume_from_checkpoint: {path} had {trainer_state['steps_per_epoch']} steps "
-                              f"per epoch, this run has {run.state.steps_per_epoch}: {why}")
-    # every file is read and checked against the run before the weights load, so a bad one
-    # leaves the model as it was built
-    engine_state = load_state_file(path, "engine_state.pt", expect=("strategy", "plugins"))
-    with restoring(path, "engine_state.pt"):
-        strategy.load_state_dict(engine_state["strategy"])
-    rng_file = _rng_file(strategy.rank)
-    if (path / rng_file).is_file():
-        saved_rng = load_state_file(path, rng_file, expect=("python", "python_pos", "torch"))
-        with restoring(path, rng_file):
-            set_rng_state(saved_rng)
-    notes = {}
-    if not train.reset_optimizer:
-        fresh = [{k: v for k, v in group.items() if k != "params"} for group in run.optimizer.param_groups]
-        strategy.load_optimizer(run.optimizer, path)
-        notes = _apply_to_optimizer(run.optimizer, fresh, changes)
-    if train.reset_optimizer or any(key in SCHEDULE_KEYS for key, _, _ in changes):
-        _advance(run.scheduler, trainer_state["global_step"])
-    else:
-        scheduler_state = load_state_file(path, "scheduler.pt")
-        with restoring(path, "scheduler.pt"):
-            run.scheduler.load_state_dict(scheduler_state)
-    strategy.load_model_weights(run.model, path)
-    for key in PROGRESS_FIELDS:  # max_steps and steps_per_epoch belong to the resumed run's config
-        setattr(run.state, key, trainer_state.get(key, getattr(run.state, key)))
-    saved = engine_state["plugins"]
-    for plugin in run.plugin_manager.call_order("load_checkpoint_state"):
-        run.plugin_manager.call_plugin("load_checkpoint_state", plugin, run=run, state=saved.get(plugin, {}))
-    line = f"resumed from {path} (step {run.state.global_step})"
-    if changes:
-        line += "; changed since the checkpoint: " + ", ".join(
-            f"{key} {old!r} -> {new!r}" + (f" ({notes[key]})" if key in notes else "") for key, old, new in changes)
-    if train.reset_optimizer:
-        line += f"; optimizer {train.optim} and scheduler built fresh (train.reset_optimizer)"
-    logger.info(line)

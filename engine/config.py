@@ -75,32 +75,15 @@ class KernelTrainConfig:
     model: str = option("tiny-llama", nonempty=True, help=(
         "builtin config name (tiny-llama, small-llama), a local HF folder (from_pretrained), "
         "a config .json file (random weights) or 'package.module:function' returning an nn.Module"))
-    model_config: dict[str, Any] = option(default_factory=dict, help=(
-        "overrides applied to the model config when building from a name or .json file"))
-    task: Literal["causal-lm", "sequence-classification", "token-classification", "seq2seq"] | None = option(
-        None, help=("what the model learns: the AutoModelFor... class of train.model, the data's columns and the "
-                    "collator; default: the task of a model given in Python or named by its config's "
-                    "architectures, else causal-lm"))
     output_dir: str = option("output", nonempty=True, help="where metrics, checkpoints and the final model go")
     seed: int = option(42, min=0, max=2**32 - 1, help="seed for weights, data order and dropout")
     max_steps: int = option(-1, min=-1, help="total optimizer steps; > 0 overrides num_train_epochs")
     num_train_epochs: float = option(3.0, min=0, help="epochs to train when max_steps <= 0")
     per_device_train_batch_size: int = option(8, min=1, help="micro-batch size per device")
     gradient_accumulation_steps: int = option(1, min=1, help="micro-batches per optimizer step")
-    # near 1e38 Adam's step size (lr / (1 - beta1)) overflows float32 before any loss is seen
-    learning_rate: float = option(5e-5, min=0, max=1e30, help="peak learning rate")
-    weight_decay: float = option(0.0, min=0, help="decoupled weight decay (not applied to biases and norms)")
-    adam_beta1: float = option(0.9, min=0, below=1, help="Adam beta1")
-    adam_beta2: float = option(0.999, min=0, below=1, help="Adam beta2")
-    adam_epsilon: float = option(1e-8, min=0, help="Adam epsilon")
     optim: str = option("adamw_torch", nonempty=True, help="optimizer name, as TrainingArguments.optim")
-    optim_args: str | None = option(None, help="extra optimizer arguments 'key=value,key=value'")
-    optim_target_modules: list[str] | str | None = option(None, help=(
-        "modules an optimizer such as GaLore applies to (regexes or names)"))
     lr_scheduler_type: str = option("linear", help=(
         "linear, cosine, constant, constant_with_warmup, polynomial or a plugin's name"))
-    lr_scheduler_kwargs: dict[str, Any] = option(default_factory=dict, help=(
-        "extra scheduler arguments (e.g. power, lr_end for polynomial)"))
     warmup_steps: int = option(0, min=0, help="linear warmup steps; > 0 overrides warmup_ratio")
     warmup_ratio: float = option(0.0, min=0, max=1, help="warmup as a fraction of the total steps")
     bf16: bool = option(False, help="bfloat16 autocast (CPU or GPU)")
@@ -123,9 +106,6 @@ class KernelTrainConfig:
     ignore_data_skip: bool = option(False, help=(
         "on resume: start the resumed epoch's data from its beginning instead of skipping the batches already "
         "trained on (faster to start, not the uninterrupted run's data)"))
-    reset_optimizer: bool = option(False, help=(
-        "on resume: restore weights, progress and RNG but build the optimizer and scheduler fresh, "
-        "the schedule continuing at the resumed step (to change train.optim)"))
     on_nonfinite: Literal["stop", "skip"] = option("stop", help=(
         "a nan/inf loss, gradient norm or weight: 'stop' the run (exit status 3, nothing "
         "non-finite saved) or 'skip' the update (costs one host sync per step)"))
@@ -140,7 +120,6 @@ class KernelTrainConfig:
     use_cache: bool = option(False, help=(
         "the model's config.use_cache while training and in the saved model (as Trainer sets it): the key/value "
         "cache only costs memory in a training forward"))
-    dataloader_drop_last: bool = option(False, help="drop the last incomplete batch")
     data_seed: int | None = option(None, min=0, max=2**32 - 1, help=(
         "seed of the data order (default: seed): the same batches whatever the model's seed"))
     include_num_input_tokens_seen: bool | Literal["no", "all", "non_padding"] = option("no", help=(
@@ -418,22 +397,6 @@ def parse_value(text: str) -> Any:
         value = None
     check_nesting(value, f"--set value {text[:40]!r}")
     return value
-
-
-def parse_optim_args(text: str | None) -> dict[str, Any]:
-    """Parse ``train.optim_args`` ("key=value,key=value") into typed values."""
-    if not text:
-        return {}
-    out: dict[str, Any] = {}
-    for item in text.replace(" ", "").split(","):
-        if not item:
-            continue
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"train.optim_args: expected 'key=value,key=value', got {text!r} "
-                              f"(bad item {item!r})")
-        out[key] = parse_value(value)
-    return out
 
 
 def apply_overrides(raw: dict[str, Any], sets: list[str] = (), plugin_edits: list[str] = (),

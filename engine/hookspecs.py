@@ -37,7 +37,9 @@ Every hook gets ``run`` (:class:`engine.run.Run`): the composed config (``run.co
 model, optimizer, scheduler, strategy, datasets, ``run.state`` (step, epoch, log history) and
 ``run.control`` (set ``should_stop`` / ``should_save`` / ``should_evaluate`` to ask the loop to
 stop, save or evaluate after the current step, ``should_epoch_stop`` to end the epoch). Hooks are grouped below by the phase in which
-they fire; ``engine/loop.py`` shows them in place as pseudocode.
+they fire; ``engine/loop.py`` shows them in place as pseudocode. The hooks that only a builtin calls are declared
+beside it (engine/builtin/hookspecs.py) and join these through the entry-point group ``engine.hookspecs``, as a
+plugin's own hooks for other plugins may.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import pluggy
 
 if TYPE_CHECKING:  # only for annotations: importing the specs must stay cheap
+    from pathlib import Path
+
     import torch
 
     from .state import PredictionOutput, RunView, StepOutput
@@ -338,24 +342,6 @@ def create_model(run: RunView) -> torch.nn.Module | None:
 
 
 @hookspec
-def model_load_kwargs(run: RunView) -> dict[str, Any] | None:
-    """Keywords for ``from_pretrained`` when ``train.model`` is a saved model folder.
-
-    **When**: when the model builtin builds ``train.model`` in :func:`create_model` (after
-    :func:`configure`; the keywords go to ``from_pretrained`` where it loads a folder).
-    **Combine**: broadcast; the dicts are merged, and one key from two plugins is refused naming
-    both. The peft plugin answers QLoRA's ``quantization_config``, so the base
-    loads quantized, never at full size first.
-
-    Example::
-
-        @hookimpl
-        def model_load_kwargs(run):
-            return {"attn_implementation": "sdpa"}
-    """
-
-
-@hookspec
 def on_model_built(run: RunView) -> None:
     """Fit the model to the task and data, and refuse what does not fit, before the collator is made.
 
@@ -442,7 +428,7 @@ def create_train_loader(run: RunView) -> torch.utils.data.DataLoader | None:
     ``auto_find_batch_size`` changed the batch size. **Combine**: firstresult. ``builtin.loaders``
     answers a DataLoader of ``per_device_train_batch_size`` examples in the order of an
     ``EpochSampler`` (``train_sampling_strategy``, ``data_seed``; this process's share) with the
-    ``[train] dataloader_*`` arguments; :mod:`engine.kit.loaders` has its helpers. Give the loader a
+    ``[train] dataloader_*`` arguments; :mod:`engine.kit.loaders` has the sampler and its helpers. Give the loader a
     ``generator``: the loop seeds it each epoch (and calls ``sampler.set_epoch(epoch, rows_done)``
     where the sampler has one, for a resume).
 
@@ -586,45 +572,11 @@ def on_epoch_end(run: RunView) -> None:
 
 
 @hookspec
-def on_prediction_step(run: RunView, step: int, total: int | None) -> None:
-    """One batch of an evaluation or prediction pass is done.
-
-    **When**: after each eval/predict batch's forward, on every process; ``step`` counts this
-    pass's batches from 1, ``total`` is its number of batches (None for an iterable dataset).
-    **Combine**: broadcast. The console draws its evaluation bar from it.
-
-    Example::
-
-        @hookimpl
-        def on_prediction_step(run, step, total):
-            if step == total:
-                print(f"evaluated {total} batches")
-    """
-
-
-@hookspec
 def on_evaluate(run: RunView, metrics: dict[str, float]) -> None:
     """Evaluation finished with ``metrics`` (keys prefixed ``eval_``).
 
     **When**: after every evaluation, on every process, after the metrics were logged.
     **Combine**: broadcast; early stopping sets ``run.control.should_stop`` here.
-    """
-
-
-@hookspec
-def on_predict(run: RunView, metrics: dict[str, float]) -> None:
-    """A prediction pass (:meth:`Run.predict`) finished with ``metrics`` (keys prefixed ``test_``).
-
-    **When**: at the end of every :meth:`Run.predict`, on every process. As under Trainer, the
-    metrics are returned, not logged (no :func:`log_metrics`), and predictions are not evaluations:
-    :func:`on_evaluate` does not fire for them (early stopping must not count them).
-    **Combine**: broadcast.
-
-    Example::
-
-        @hookimpl
-        def on_predict(run, metrics):
-            print(f"predicted: {metrics}")
     """
 
 
@@ -755,32 +707,6 @@ def predict(run: RunView, dataset: Any, prefix: str) -> PredictionOutput | None:
     """
 
 
-@hookspec(firstresult=True)
-def prediction_step(run: RunView, model: torch.nn.Module, batch: dict[str, Any], num_items_in_batch: Any,
-                    prediction_loss_only: bool) -> tuple[torch.Tensor, Any, Any] | None:
-    """One evaluation or prediction batch: ``(loss, predictions, labels)``, as Trainer.prediction_step.
-
-    **When**: for every batch of :func:`evaluate` and :func:`predict`, on every process, under
-    ``torch.no_grad``; ``model`` is the strategy's (wrapped) model and ``batch`` is on its device.
-    With ``prediction_loss_only`` only the loss is used (return None for the other two).
-    ``loss`` is :func:`compute_loss`'s for the batch (divided by ``num_items_in_batch``, as
-    there); ``predictions`` (a tensor or a tuple of tensors, one row per example) are what
-    ``compute_metrics`` and :meth:`Run.predict` get; ``labels`` the batch's ``train.label_names``
-    (None without them). Run the forward under ``run.strategy.autocast()``. **Combine**:
-    firstresult. The builtin answers with the logits of the forward :func:`compute_loss` runs
-    (through ``preprocess_logits_for_metrics``); with ``train.predict_with_generate`` the
-    generation builtin answers first with ``generate()``'s token ids.
-
-    Example (predictions as class ids: the metrics see less data)::
-
-        @hookimpl(tryfirst=True)
-        def prediction_step(run, model, batch, num_items_in_batch, prediction_loss_only):
-            with run.strategy.autocast():
-                outputs = model(**batch)  # its loss: the mean over this batch's label tokens
-            return outputs.loss, outputs.logits.argmax(-1), batch["labels"]
-    """
-
-
 # ---------------------------------------------------------------------------- logging
 
 
@@ -880,24 +806,70 @@ def on_checkpoint_saved(run: RunView, path: str) -> None:
 
 
 @hookspec(firstresult=True)
-def locate_checkpoint(run: RunView, spec: str) -> str | None:
-    """Turn ``train.resume_from_checkpoint = spec`` (a string) into a local checkpoint folder.
+def resolve_checkpoint(run: RunView, run_id: str | None) -> Any:
+    """Return the checkpoint folder this run resumes from (``train.resume_from_checkpoint``
+    resolved), or None to start fresh.
 
-    **When**: once, while the main process claims ``output_dir`` (before anything loads), when
-    ``resume_from_checkpoint`` is a string. **Combine**: firstresult: the first plugin that
-    knows ``spec`` (a name such as ``"hub"``, a URL) fetches the checkpoint and returns the
-    local folder; None from all means ``spec`` is a local path. The folder returned is validated
-    like any other (files, plugins, data order, every checksum of its manifest) before it is
-    resumed. Raise :class:`engine.errors.ConfigError` when ``spec`` is yours but holds no checkpoint.
+    **When**: once, while the main process claims ``output_dir`` (before anything loads);
+    ``run_id`` is the run recorded in ``output_dir`` (None when it holds no record).
+    **Combine**: firstresult. The builtin ``builtin.resume`` answers None when
+    ``resume_from_checkpoint`` is unset or false; for ``true``, the newest complete checkpoint of
+    the run ``run_id`` (any run's when None; None when there is none: the run starts fresh); for a
+    string, the folder a plugin's :func:`locate_checkpoint` fetches, else the string as a path. The
+    folder is then checked (:func:`check_checkpoint`) and, once the run is set up, restored
+    (:func:`restore_checkpoint`).
 
     Example::
 
         @hookimpl
-        def locate_checkpoint(run, spec):
-            if spec.startswith("s3://"):
-                local = run.output_dir / ".tmp-download"
-                download(spec, local)
-                return str(local)
+        def resolve_checkpoint(run, run_id):
+            if run.config.train.resume_from_checkpoint is True:  # the newest checkpoint that evaluated well
+                return my_registry.best_checkpoint(run.output_dir)
+    """
+
+
+@hookspec
+def check_checkpoint(run: RunView, path: Path) -> None:
+    """Refuse a checkpoint folder this run cannot resume from, saying what is wrong and the fix.
+
+    **When**: once, while the main process claims ``output_dir``, right after
+    :func:`resolve_checkpoint` answered ``path``: before the model is built, so a bad checkpoint
+    stops the run before anything loads. **Combine**: broadcast; raise
+    :class:`engine.errors.CheckpointError` (or ``ConfigError``) to refuse. The builtin
+    ``builtin.resume`` requires a complete checkpoint of this run: its files present, the same
+    plugins, data order, checkpoint format and (unless the strategy resumes others) world size, the
+    same ``train.optim`` (unless ``train.reset_optimizer``), intact weights and every checksum of its
+    manifest.
+
+    Example::
+
+        @hookimpl
+        def check_checkpoint(run, path):
+            if not (path / "ema.pt").is_file():
+                raise CheckpointError(f"resume_from_checkpoint: {path} holds no ema.pt (saved without the ema plugin)")
+    """
+
+
+@hookspec(firstresult=True)
+def restore_checkpoint(run: RunView, path: Path) -> Any:
+    """Restore the run from the checkpoint folder ``path``; return True once done.
+
+    **When**: after ``run.setup()`` when the run resumes (``path`` passed :func:`check_checkpoint`),
+    and again after a restart (a step raised ``RestartTraining``, e.g. ``auto_find_batch_size``)
+    built a new optimizer and scheduler. **Combine**: firstresult. The builtin ``builtin.resume``
+    restores weights, optimizer, scheduler, RNG, progress (``run.state``) and each plugin's
+    :func:`load_checkpoint_state`, and applies the hyper-parameters changed since the checkpoint
+    (learning rate, schedule, weight decay, betas, epsilon), listing them in one line. A run that
+    resumes needs an answer: one that sets ``resume_from_checkpoint`` and leaves no plugin
+    answering (``"-builtin.resume"`` in ``plugins``) is refused when it is composed.
+
+    Example::
+
+        @hookimpl(wrapper=True)
+        def restore_checkpoint(run, path):
+            restored = yield
+            run.model.ema.load_state_dict(torch.load(path / "ema.pt", weights_only=True))
+            return restored
     """
 
 
@@ -1033,24 +1005,6 @@ def edit_run_config(raw: dict[str, Any], args: Any) -> tuple[str, list[str]] | N
 
 
 @hookspec
-def trainer_argument_mappings() -> dict[str, Any] | None:
-    """Answer ``transformers.TrainingArguments`` fields that this plugin provides, for ``engine migrate``.
-
-    **When**: when ``engine migrate`` converts such a field (and when a run's ``[train]`` names it,
-    to say where it goes), on the installed plugin that the catalogue of first-party plugins
-    names for it, whether or not a run enables it. **Combine**: broadcast, asked of that one
-    plugin: ``{field name: engine.kit.mappings.Answer}``; the answer's converter writes the
-    plugin's own keys (see :mod:`engine.kit.mappings`), so the engine's table names none of them.
-
-    Example::
-
-        @hookimpl
-        def trainer_argument_mappings():
-            return {"deepspeed": plugin("deepspeed", "config", convert=convert_deepspeed)}
-    """
-
-
-@hookspec
 def accelerate_mappings() -> dict[str, Any] | None:
     """Map keys of an Accelerate config file onto this plugin, for ``--accelerate-config``.
 
@@ -1069,7 +1023,41 @@ def accelerate_mappings() -> dict[str, Any] | None:
     """
 
 
-# Every hook of a run, in the order of this module (the order the reference and `engine plan` use).
+# ---------------------------------------------------------------------------- hooks declared beside their callers
+
+# Entry points naming modules of hook specs that join these: a builtin's extension points beside it (engine's
+# own, engine.builtin.hookspecs), or a plugin's hooks for other plugins (``[project.entry-points."engine.hookspecs"]``).
+HOOKSPECS_GROUP = "engine.hookspecs"
+
+
+def _declared_elsewhere() -> dict[str, Any]:
+    """The hook specs the modules of :data:`HOOKSPECS_GROUP` declare, each name once."""
+    import importlib.metadata
+
+    from .errors import PluginError
+
+    declared: dict[str, Any] = {}
+    for entry in sorted(importlib.metadata.entry_points(group=HOOKSPECS_GROUP), key=lambda entry: entry.name):
+        try:
+            module = entry.load()
+        except Exception as exc:
+            raise PluginError(f"hook specs {entry.value!r} (entry point {entry.name!r} of group {HOOKSPECS_GROUP!r}) "
+                              f"failed to import: {type(exc).__name__}: {exc}") from exc
+        for name, spec in vars(module).items():
+            if not hasattr(spec, "engine_spec"):
+                continue
+            known = globals().get(name) or declared.get(name)
+            if known is not None and known is not spec:
+                raise PluginError(f"hook {name!r} is declared by {known.__module__} and by {spec.__module__}; "
+                                  "rename one")
+            declared[name] = spec
+    return declared
+
+
+globals().update(_declared_elsewhere())
+
+# Every hook of a run, in the order of this module, then of the modules that declare more (the order the
+# reference and `engine plan` use).
 HOOK_NAMES = tuple(name for name, value in list(globals().items())
                    if hasattr(value, "engine_spec") and name not in TOOLING_HOOKS)
 SPEC_NAMES = (*HOOK_NAMES, *TOOLING_HOOKS)  # every hook a plugin may implement: a run's and the command line's

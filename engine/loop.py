@@ -6,17 +6,18 @@
     train(run)
         strategy = create_strategy(run); strategy.setup()   # the process group, if any
         claim output_dir                          # (main process) lock it; fresh run or resume? a
-                                                  #   checkpoint to resume is validated (a named one
-                                                  #   fetched by locate_checkpoint first); another
-                                                  #   run's folder is refused (engine/rundir.py)
+                                                  #   checkpoint to resume: resolve_checkpoint(run,
+                                                  #   run_id) (a named one fetched by
+                                                  #   locate_checkpoint), check_checkpoint(run, path);
+                                                  #   another run's folder is refused (engine/rundir.py)
         run.setup()
             tokenizer, datasets, model            # from [train] / [data], or given to Run
             undo = patch_model(run, model)        # each plugin, in order
             model = strategy.prepare_model(model)
             train_loader = create_train_loader(run)
             optimizer = create_optimizer(run); scheduler = create_scheduler(run, optimizer)
-        if resuming: restore weights, optimizer, scheduler (changed hyper-parameters applied),
-                     RNG, state
+        if resuming: restore_checkpoint(run, path)                # weights, optimizer, scheduler (changed
+                     #   hyper-parameters applied), RNG, state
                      load_checkpoint_state(run, state)            # each plugin its own
         write the run record (output_dir/run.json)
         log_hyperparams(run, config)                              # main process
@@ -134,7 +135,7 @@ def _train(run: RunView, claim: rundir.Claim) -> dict[str, float]:
     hook, train_cfg, strategy = run.hook, run.config.train, run.strategy
     run.state.max_steps = run.num_training_steps
     if claim.resume_from is not None:
-        checkpoint.load(run, claim.resume_from)
+        run.hook.restore_checkpoint(run=run, path=claim.resume_from)
     claim.start(run)
     loop = _Loop(run, claim.resume_from)
     if strategy.is_main_process:
@@ -339,7 +340,7 @@ def _restart(run: RunView, resume_from: Any) -> None:
     run.state.max_steps = run.num_training_steps
     run.hook.on_restart(run=run)
     if resume_from is not None:
-        checkpoint.load(run, resume_from)  # weights, optimizer, scheduler, RNG, progress, plugin states
+        run.hook.restore_checkpoint(run=run, path=resume_from)  # weights, optimizer, scheduler, RNG, progress, plugins
 
 
 def _reset(record: object, fresh: object) -> None:

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from .config import parse_optim_args  # noqa: F401 (also a public name of this kit)
+from .config import parse_value
 from .errors import ConfigError
 from .util import require
 
@@ -56,6 +56,22 @@ class OptimArg:
     default: Any = None
     expect: str = ""
     valid: Callable[[Any], bool] = lambda value: True
+
+
+def parse_optim_args(text: str | None) -> dict[str, Any]:
+    """Parse ``train.optim_args`` ("key=value,key=value") into typed values."""
+    if not text:
+        return {}
+    out: dict[str, Any] = {}
+    for item in text.replace(" ", "").split(","):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"train.optim_args: expected 'key=value,key=value', got {text!r} "
+                              f"(bad item {item!r})")
+        out[key] = parse_value(value)
+    return out
 
 
 def check_optim_args(run: Any, table: dict[str, OptimArg], elsewhere: dict[str, str] | None = None) -> dict[str, Any]:

@@ -19,7 +19,6 @@ import torch
 
 from . import config as cfg
 from .catalogue import ADAPTER_PLUGIN
-from .checkpoint import check_resume_spec
 from .errors import ConfigError
 from .logs import quiet_known_noise, setup_logging
 from .plugins import PLUGINS_ENV, EnvironmentPlugins, IsolatedHooks, PluginManager, builtin_specs
@@ -123,7 +122,7 @@ class Run:
         self.config = cfg.compose(raw, self.plugin_manager.option_schemas())
         _resolve_defaults(self.config.train)
         _check_values(self.config.train)
-        check_resume_spec(self.config)
+        _check_resumable(self)
         # levels for what configure logs; setup() sets them again from the strategy's ranks
         setup_logging(self.config.train, env_rank("RANK"), env_rank("LOCAL_RANK"))
         if left_out:
@@ -380,3 +379,13 @@ def _check_values(train: cfg.TrainConfig) -> None:
         raise ConfigError("train.max_steps / train.num_train_epochs: set max_steps > 0 or num_train_epochs > 0")
     if train.bf16 and train.fp16:
         raise ConfigError("train.bf16 and train.fp16 are both true; pick one")
+
+
+def _check_resumable(run: Run) -> None:
+    """A run that resumes needs a plugin that restores checkpoints: without one (its plugins block the
+    builtin that does) nothing would, and training would silently start over."""
+    spec = run.config.train.resume_from_checkpoint
+    if spec is not None and spec is not False and not run.hook.restore_checkpoint.get_hookimpls():
+        raise ConfigError(f"train.resume_from_checkpoint = {spec!r}: no plugin of this run restores checkpoints (the "
+                          "restore_checkpoint hook: its plugins block the builtin that does); remove the block, or "
+                          "leave train.resume_from_checkpoint unset")

@@ -346,8 +346,8 @@ class Claim:
 def claim(run: RunView) -> Claim:
     """Lock ``output_dir`` and decide what this run is: fresh, or continuing a checkpoint's run.
 
-    Runs before anything loads. A checkpoint to resume is validated here (see
-    :func:`engine.checkpoint.validate`); a fresh run into another run's folder is refused, or the
+    Runs before anything loads. A checkpoint to resume is found and checked here (the
+    ``resolve_checkpoint`` and ``check_checkpoint`` hooks); a fresh run into another run's folder is refused, or the
     folder cleared with ``train.overwrite_output_dir``.
     """
     strategy = run.strategy
@@ -370,14 +370,14 @@ def claim(run: RunView) -> Claim:
 
 
 def _claim_as_main(run: RunView) -> Claim:
-    from .checkpoint import find_resume_checkpoint, remove_partial
+    from .checkpoint import remove_partial
 
     output_dir = run.output_dir
     lock = lock_output_dir(output_dir)
     try:
         remove_partial(output_dir)
         record = read_record(output_dir)
-        resume_from = find_resume_checkpoint(run, record["run_id"] if record else None)
+        resume_from = _resume_checkpoint(run, record["run_id"] if record else None)
         run_id = (checkpoint_run_id(resume_from) if resume_from else None) or new_run_id()
         others = {owner: items for owner, items in _run_work(output_dir, record).items() if owner != run_id}
         if others:
@@ -394,3 +394,13 @@ def _claim_as_main(run: RunView) -> Claim:
         lock.release()
         raise
     return Claim(run_id, resume_from, lock)
+
+
+def _resume_checkpoint(run: RunView, folder_run_id: str | None) -> Path | None:
+    """The checkpoint the run continues (``resolve_checkpoint``), checked (``check_checkpoint``); None: fresh."""
+    found = run.hook.resolve_checkpoint(run=run, run_id=folder_run_id)
+    if found is None:
+        return None
+    path = Path(found)
+    run.hook.check_checkpoint(run=run, path=path)
+    return path

@@ -1,14 +1,13 @@
 """What a run carries and hands out: its progress, the loop's requests, a step's and a prediction's
-results, and the deterministic sampler. Plain records with no engine imports, so the loop, the
+results. Plain records with no engine imports, so the loop, the
 strategies and plugins use them without importing :mod:`engine.run`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -58,48 +57,6 @@ class Control:
         """End the run with ``error`` after this step's checkpoint (the SIGTERM checkpoint: save, then exit)."""
         self.should_save = True
         self.abort = error
-
-
-class EpochSampler(torch.utils.data.Sampler[int]):
-    """Deterministic order per (seed, epoch), sharded over ``world_size`` ranks.
-
-    The order of epoch e depends only on seed and e, so a resumed run can skip exactly the
-    samples it already saw (``start``) instead of replaying the data loader.
-
-    ``lengths`` (one per example) groups the shuffled order by length with Trainer's
-    ``get_length_grouped_indices``: the same shuffled order cut into megabatches of
-    ``min(50, length // (4 * group_size))`` (at least 1) x ``group_size`` examples, each sorted longest
-    first, the longest example of all moved to the front.
-    """
-
-    def __init__(self, length: int, seed: int, shuffle: bool = True, rank: int = 0, world_size: int = 1,
-                 lengths: list[int] | None = None, group_size: int = 1):
-        self.length, self.seed, self.shuffle = length, seed, shuffle
-        self.rank, self.world_size = rank, world_size
-        self.lengths, self.group_size = lengths, group_size
-        self.epoch = 0
-        self.start = 0
-        self.per_rank = math.ceil(length / world_size)
-
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
-        self.epoch, self.start = epoch, start
-
-    def __iter__(self) -> Iterator[int]:
-        if self.lengths is not None:
-            from transformers.trainer_pt_utils import get_length_grouped_indices
-
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = get_length_grouped_indices(self.lengths, self.group_size, generator=generator)
-        elif self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.length, generator=generator).tolist()
-        else:
-            order = list(range(self.length))
-        order += order[: self.per_rank * self.world_size - self.length]  # equal share per rank
-        return iter(order[self.rank::self.world_size][self.start:])
-
-    def __len__(self) -> int:
-        return self.per_rank - self.start
 
 
 class PredictionOutput(NamedTuple):

@@ -243,6 +243,25 @@ def test_a_train_key_of_a_blocked_builtin_is_refused_naming_the_key_and_the_bloc
         Run({"plugins": [f"-{block}"], "train": {key: 1}})
 
 
+class _ConstantSchedule:
+    """Answers create_scheduler in builtin.schedulers' place."""
+
+    @hookimpl
+    def create_scheduler(self, run, optimizer):
+        import torch
+
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+
+def test_a_blocked_builtins_own_train_key_is_refused_and_a_shared_one_accepted():
+    """Only builtin.schedulers reads lr_scheduler_kwargs; engine.kit.models reads model_config for any plugin."""
+    with pytest.raises(ConfigError, match=re.escape("train.lr_scheduler_kwargs is read by builtin.schedulers, "
+                                                    "which this run blocks")):
+        Run({"plugins": ["-builtin.schedulers"], "train": {"lr_scheduler_kwargs": {"power": 2.0}}},
+            plugins=[_ConstantSchedule()])
+    Run({"plugins": ["-builtin.models"], "train": {"model_config": {"hidden_size": 32}}})
+
+
 def test_every_owned_train_key_is_a_key_and_has_one_owner():
     import dataclasses
 

@@ -38,15 +38,15 @@ def test_the_loop_within_its_budget():
     assert found["longest_loop_function"][0] <= structure.FUNCTION_BUDGET
 
 
-# The kernel is not yet within its budgets (4,500 lines for the contract and the skeleton, 5,000 for
-# engine/*.py): tools/structure.py says by how much. Until it is, it may only shrink: lower these
-# ceilings when it does.
-KERNEL_CEILING, TOP_LEVEL_CEILING = 4_900, 5_850
+# The contract and the skeleton are within their budget (4,500 lines). engine/*.py as a whole (the kernel with
+# its leaves: errors, util, logs, interval, discovery, ...) is not yet within its 5,000: tools/structure.py says
+# by how much. Until it is, it may only shrink: lower this ceiling when it does.
+TOP_LEVEL_CEILING = 5_480
 
 
-def test_the_kernel_does_not_grow_past_where_it_stands():
+def test_the_kernel_within_its_budget_and_the_top_level_not_growing():
     found = structure.figures()
-    assert found["kernel_lines"] <= KERNEL_CEILING
+    assert found["kernel_lines"] <= structure.KERNEL_BUDGET
     assert found["top_level_lines"] <= TOP_LEVEL_CEILING
 
 

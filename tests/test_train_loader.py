@@ -18,7 +18,7 @@ def test_the_train_loader_is_made_after_the_model_is_prepared_and_before_the_opt
     names = recorder.names()
     assert names.index("patch_model") < names.index("create_train_loader") < names.index("create_optimizer")
     assert run.plugin_manager.call_order("create_train_loader")[-1] == "builtin.loaders"
-    assert isinstance(run.train_loader.sampler, engine.state.EpochSampler)
+    assert isinstance(run.train_loader.sampler, engine.kit.loaders.EpochSampler)
 
 
 def test_a_plugin_answers_create_train_loader(tmp_path):

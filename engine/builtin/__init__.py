@@ -26,6 +26,7 @@ PLUGINS = (
     "engine.builtin.weights",
     "engine.builtin.evaluation",
     "engine.builtin.generation:PredictWithGenerate",
+    "engine.builtin.resume",
     "engine.builtin.flow:Flow",
     "engine.builtin.best_model:BestModel",
     "engine.builtin.sigterm:Sigterm",

@@ -5,7 +5,7 @@ As Trainer does it through accelerate's ``find_executable_batch_size``: the erro
 accelerate's (CUDA/XPU/MPS/HPU out of memory, the CPU allocator failing, cuDNN's not-supported); each
 retry multiplies ``per_device_train_batch_size`` by 0.9 (rounded down); the evaluation batch is not
 changed; the batch size found is kept in checkpoints and a resume continues with it
-(:func:`engine.checkpoint.validate`).
+(:func:`engine.builtin.resume.check_checkpoint`).
 
 Unlike Trainer, which goes on from the weights the failed attempt had reached, a retry starts
 exactly where the run started: the step sets the smaller batch size and raises

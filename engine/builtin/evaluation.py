@@ -24,10 +24,10 @@ from engine import hookimpl
 from engine.builtin import memory
 from engine.config import option
 from engine.errors import ConfigError
-from engine.kit.loaders import loader_data, loader_options
+from engine.kit.loaders import EpochSampler, loader_data, loader_options
 from engine.loss import IGNORE_INDEX, count_items, logits_of
 from engine.metrics import EvalPrediction
-from engine.state import EpochSampler, PredictionOutput, RunView
+from engine.state import PredictionOutput, RunView
 from engine.util import call_user
 
 

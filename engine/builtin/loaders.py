@@ -1,7 +1,7 @@
 """``builtin.loaders``: the train DataLoader (the ``create_train_loader`` answer).
 
 Batches of ``train.per_device_train_batch_size`` examples in the order of an
-:class:`engine.state.EpochSampler` (``train_sampling_strategy``: random, sequential or grouped by
+:class:`engine.kit.loaders.EpochSampler` (``train_sampling_strategy``: random, sequential or grouped by
 length; ``data_seed``), this process's share of them, with the ``[train] dataloader_*`` arguments.
 """
 
@@ -16,8 +16,8 @@ import torch
 from engine import hookimpl
 from engine.config import option
 from engine.errors import ConfigError
-from engine.kit.loaders import example_lengths, loader_data, loader_options
-from engine.state import EpochSampler, RunView
+from engine.kit.loaders import EpochSampler, example_lengths, loader_data, loader_options
+from engine.state import RunView
 
 logger = logging.getLogger("engine")
 
@@ -25,7 +25,8 @@ logger = logging.getLogger("engine")
 @dataclass
 class LoaderOptions:
     """``[train]`` keys of builtin.loaders (the DataLoader arguments; engine.kit.loaders reads them for
-    any plugin building loaders, so a block does not refuse them)."""
+    any plugin building loaders, so a block does not refuse them, except dataloader_drop_last: only this
+    builtin's train loader reads it)."""
 
     dataloader_num_workers: int = option(0, shared=True, min=0, help="DataLoader worker processes")
     dataloader_pin_memory: bool = option(True, shared=True, help="page-locked batches when training on a GPU")
@@ -47,6 +48,7 @@ class LoaderOptions:
     remove_unused_columns: bool = option(True, shared=True, help=(
         "drop the columns (keys) of the examples that the model's forward does not take (label_names, label and "
         "label_ids kept) before the collator sees them, as Trainer"))
+    dataloader_drop_last: bool = option(False, help="drop the last incomplete batch")
 
 
 TRAIN_OPTIONS = LoaderOptions  # the [train] keys it reads: engine.config.TrainConfig has them

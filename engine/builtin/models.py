@@ -21,6 +21,7 @@ This is the model builtin: it answers ``create_model`` (merging the plugins'
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,7 @@ from engine.builtin.data.build import tokenized_max_length
 from engine.builtin.tasks import (
     SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION, auto_class, label_names, label_settings,
 )
+from engine.config import option
 from engine.errors import ConfigError
 from engine.kit.models import max_positions, model_config
 from engine.util import call_user, is_callable_spec, load_callable
@@ -160,8 +162,19 @@ def load_kwargs(run: Any) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- the plugin
 
 
+@dataclass
+class ModelOptions:
+    """``[train]`` keys of builtin.models (engine.kit.models reads them for any plugin building a model, so a
+    block does not refuse them)."""
+
+    model_config: dict[str, Any] = option(default_factory=dict, shared=True, help=(
+        "overrides applied to the model config when building from a name or .json file"))
+
+
 class Models:
     """The model builtin, one per run (it remembers the example length the data will have)."""
+
+    TRAIN_OPTIONS = ModelOptions  # the [train] keys it reads: engine.config.TrainConfig has them
 
     def __init__(self) -> None:
         self.max_length: int | None = None

@@ -8,17 +8,38 @@ Adagrad and RMSprop take the keys listed below.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from engine import hookimpl
+from engine.config import option
 from engine.errors import ConfigError
 from engine.optim import OptimArg, OptimizerFamily, param_groups
 
 PLUGIN = "builtin.optimizers"
 _FLOAT = OptimArg(float)
 _BOOL = OptimArg(bool)
+
+
+@dataclass
+class OptimizerOptions:
+    """``[train]`` keys of builtin.optimizers: the optimizers' hyper-parameters (engine.optim and the optimizer
+    plugins read them too, answering create_optimizer in its place, so a block does not refuse them)."""
+
+    # near 1e38 Adam's step size (lr / (1 - beta1)) overflows float32 before any loss is seen
+    learning_rate: float = option(5e-5, shared=True, min=0, max=1e30, help="peak learning rate")
+    weight_decay: float = option(0.0, shared=True, min=0, help="decoupled weight decay (not applied to biases and norms)")
+    adam_beta1: float = option(0.9, shared=True, min=0, below=1, help="Adam beta1")
+    adam_beta2: float = option(0.999, shared=True, min=0, below=1, help="Adam beta2")
+    adam_epsilon: float = option(1e-8, shared=True, min=0, help="Adam epsilon")
+    optim_args: str | None = option(None, shared=True, help="extra optimizer arguments 'key=value,key=value'")
+    optim_target_modules: list[str] | str | None = option(None, shared=True, help=(
+        "modules an optimizer such as GaLore applies to (regexes or names)"))
+
+
+TRAIN_OPTIONS = OptimizerOptions  # the [train] keys it reads: engine.config.TrainConfig has them
 
 
 def adamw(run: Any, params: list[dict[str, Any]], args: dict[str, Any]) -> torch.optim.Optimizer:

@@ -8,12 +8,26 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from engine import hookimpl
+from engine.config import option
 from engine.errors import ConfigError
+
+
+@dataclass
+class SchedulerOptions:
+    """``[train]`` keys of builtin.schedulers: its schedules' extra arguments."""
+
+    lr_scheduler_kwargs: dict[str, Any] = option(default_factory=dict, help=(
+        "extra scheduler arguments (e.g. power, lr_end for polynomial)"))
+
+
+TRAIN_OPTIONS = SchedulerOptions  # the [train] keys it reads: engine.config.TrainConfig has them
 
 
 def _warmup(step: int, warmup: int) -> float:

@@ -229,8 +229,14 @@ def collator(task: str, tokenizer: Any, model: torch.nn.Module | None) -> Callab
 
 @dataclass
 class TaskOptions:
-    """``[train]`` keys of builtin.tasks: the classes of a classification task."""
+    """``[train]`` keys of builtin.tasks: the task and the classes of a classification task (the data and model
+    builtins read them too, so a block does not refuse them)."""
 
+    task: Literal["causal-lm", "sequence-classification", "token-classification", "seq2seq"] | None = option(
+        None, shared=True, help=(
+            "what the model learns: the AutoModelFor... class of train.model, the data's columns and the "
+            "collator; default: the task of a model given in Python or named by its config's "
+            "architectures, else causal-lm"))
     num_labels: int | None = option(None, shared=True, min=1, help=(
         "classification: number of classes (default: from id2label, the data's ClassLabel names, else the "
         "largest label + 1; 1 for float labels: regression)"))

@@ -11,7 +11,9 @@
   :func:`restoring` turns a failure while restoring ``name`` into a :class:`CheckpointError`
   naming the checkpoint.
 * :func:`check_model_folder` refuses a model folder (``train.model``, the best checkpoint, the
-  one ``engine evaluate`` loads) whose weights are missing or damaged.
+  one ``engine evaluate`` loads) whose weights are missing or damaged; :func:`weight_files` lists
+  a folder's safetensors files and :func:`check_safetensors` checks one from its header (resume
+  checks a checkpoint's weights with them).
 * :func:`final_model_files` lists the final model's files (what a target uploads);
   :func:`versions` are the versions the run record holds (for a model card).
 * :func:`quiet_transformers` silences transformers' warnings while loading a model.
@@ -23,14 +25,16 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..checkpoint import (check_finite_weights, check_safetensors, diverged, final_model_files, list_checkpoints,
-                          load_state_file, read_manifest, restoring, verify_manifest, weight_files)
+from ..checkpoint import (check_finite_weights, diverged, final_model_files, list_checkpoints, load_state_file,
+                          read_manifest, restoring, verify_manifest)
 from ..errors import CheckpointError, ConfigError
 from ..layout import FINAL_MARKER, FINAL_TMP, MARKER, RECORD, TMP, WEIGHTS, WEIGHTS_INDEX
 from ..rundir import versions
@@ -39,7 +43,8 @@ if TYPE_CHECKING:
     from ..state import RunView
 
 __all__ = ["ModelWeights", "write_model", "read_weights", "load_weights", "load_state_file", "restoring",
-           "check_finite_weights", "diverged", "check_model_folder", "final_model_files", "quiet_transformers",
+           "check_finite_weights", "diverged", "check_model_folder", "weight_files", "check_safetensors",
+           "final_model_files", "quiet_transformers",
            "versions", "CheckpointError", "MARKER", "FINAL_MARKER", "TMP", "WEIGHTS", "WEIGHTS_INDEX"]
 
 
@@ -194,6 +199,74 @@ def _check_model_folder(folder: Path, key: str) -> None:
                 check_safetensors(path)
             except CheckpointError as exc:
                 raise CheckpointError(f"{key}: {exc}") from None
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a model folder (one file, or the shards an index names)."""
+    index_path = folder / WEIGHTS_INDEX
+    if not index_path.is_file():
+        return [folder / WEIGHTS]
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise CheckpointError(f"{folder}: {WEIGHTS_INDEX} is not valid JSON") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(name, str) and name and "/" not in name and "\\" not in name for name in weight_map.values()):
+        raise CheckpointError(f"{folder}: {WEIGHTS_INDEX} has no weight_map of tensor name -> file name in the folder")
+    return [folder / name for name in sorted(set(weight_map.values()))]
+
+
+# bytes per element of each safetensors dtype
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2, "I16": 2,
+                "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8, "C64": 8}
+
+
+def check_safetensors(path: Path) -> None:
+    """Refuse a missing, truncated or malformed safetensors file from its header, without loading it."""
+    if not path.is_file():
+        raise CheckpointError(f"{path.parent}: {path.name} is missing")
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        prefix = handle.read(8)
+        header_len = int.from_bytes(prefix, "little") if len(prefix) == 8 else size
+        if 8 + header_len > size:
+            raise CheckpointError(f"{path.parent}: {path.name} is truncated ({size} bytes)")
+        try:
+            header = json.loads(handle.read(header_len))
+        except (ValueError, UnicodeDecodeError):
+            raise CheckpointError(f"{path.parent}: {path.name} is not a safetensors file") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path.parent}: {path.name} has a malformed header (not a JSON object)")
+    data_end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        problem = _tensor_entry_problem(entry)
+        if problem:
+            raise CheckpointError(f"{path.parent}: {path.name} has a malformed header: tensor {name!r} {problem}")
+        data_end = max(data_end, entry["data_offsets"][1])
+    if 8 + header_len + data_end != size:
+        raise CheckpointError(f"{path.parent}: {path.name} is truncated or padded "
+                              f"({size} bytes, header says {8 + header_len + data_end})")
+
+
+def _tensor_entry_problem(entry: Any) -> str | None:
+    """What is wrong with one tensor's entry of a safetensors header (None: nothing)."""
+    if not isinstance(entry, dict):
+        return "is not an object"
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in _DTYPE_BYTES:
+        return f"has dtype {dtype!r}"
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape):
+        return f"has shape {shape!r}"
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        return f"has data_offsets {offsets!r}"
+    if offsets[1] - offsets[0] != math.prod(shape) * _DTYPE_BYTES[dtype]:
+        return f"of shape {shape} {dtype} does not fill its {offsets[1] - offsets[0]} bytes"
+    return None
 
 
 def read_weights(model: torch.nn.Module, folder: str | Path, device: Any = "cpu") -> dict[str, torch.Tensor]:

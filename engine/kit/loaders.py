@@ -1,6 +1,6 @@
 """What a DataLoader takes of a run: the examples' columns the model's forward takes
-(``train.remove_unused_columns``, as Trainer), each example's length (``group_by_length``) and the
-``[train] dataloader_*`` arguments.
+(``train.remove_unused_columns``, as Trainer), each example's length (``group_by_length``), the
+``[train] dataloader_*`` arguments, and the deterministic sampler (:class:`EpochSampler`).
 
 For a plugin that makes a loader (``create_train_loader``, an evaluation pass)::
 
@@ -11,7 +11,8 @@ For a plugin that makes a loader (``create_train_loader``, an evaluation pass)::
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+import math
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -104,3 +105,45 @@ def example_lengths(dataset: Any, column: str, input_name: str) -> list[int]:
             return [len(dataset[index][input_name]) for index in range(len(dataset))]
     raise ConfigError(f"train.train_sampling_strategy = \"group_by_length\": the train examples have no "
                       f"{input_name!r} to measure, and the dataset no {column!r} column (train.length_column_name)")
+
+
+class EpochSampler(torch.utils.data.Sampler[int]):
+    """Deterministic order per (seed, epoch), sharded over ``world_size`` ranks.
+
+    The order of epoch e depends only on seed and e, so a resumed run can skip exactly the
+    samples it already saw (``start``) instead of replaying the data loader.
+
+    ``lengths`` (one per example) groups the shuffled order by length with Trainer's
+    ``get_length_grouped_indices``: the same shuffled order cut into megabatches of
+    ``min(50, length // (4 * group_size))`` (at least 1) x ``group_size`` examples, each sorted longest
+    first, the longest example of all moved to the front.
+    """
+
+    def __init__(self, length: int, seed: int, shuffle: bool = True, rank: int = 0, world_size: int = 1,
+                 lengths: list[int] | None = None, group_size: int = 1):
+        self.length, self.seed, self.shuffle = length, seed, shuffle
+        self.rank, self.world_size = rank, world_size
+        self.lengths, self.group_size = lengths, group_size
+        self.epoch = 0
+        self.start = 0
+        self.per_rank = math.ceil(length / world_size)
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    def __iter__(self) -> Iterator[int]:
+        if self.lengths is not None:
+            from transformers.trainer_pt_utils import get_length_grouped_indices
+
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = get_length_grouped_indices(self.lengths, self.group_size, generator=generator)
+        elif self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.length, generator=generator).tolist()
+        else:
+            order = list(range(self.length))
+        order += order[: self.per_rank * self.world_size - self.length]  # equal share per rank
+        return iter(order[self.rank::self.world_size][self.start:])
+
+    def __len__(self) -> int:
+        return self.per_rank - self.start
