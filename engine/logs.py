@@ -56,6 +56,13 @@ KNOWN_NOISE = {
     "DeepSpeed": ("Setting accelerator to CPU",),
     # datasets on a JSON file it cannot parse, before it raises: the engine's error names the line
     "datasets.packaged_modules.json.json": ("Failed to load JSON from file ", "Failed to convert pandas DataFrame"),
+    # transformers at log_level "info" on each file of the loads and saves the engine drives and reports itself
+    # (a saved-model load, each checkpoint, the final model): the whole model config, again at every save
+    "transformers.configuration_utils": ("loading configuration file ", "Model config ", "Configuration saved in "),
+    "transformers.generation.configuration_utils": ("loading configuration file ", "Generate config ",
+                                                    "Configuration saved in "),
+    "transformers.modeling_utils": ("loading weights file ", "Model weights saved in ", "Will use dtype="),
+    "transformers.tokenization_utils_base": ("tokenizer config file saved in ", "chat template saved in "),
 }
 
 

@@ -541,6 +541,23 @@ def test_the_default_run_prints_only_the_engines_lines(tmp_path):
     assert any(line.startswith("engine: saved the final model") for line in lines)
 
 
+@pytest.mark.parametrize("level", ["info", "debug"])
+def test_log_level_info_shows_the_engines_lines_not_transformers_file_chatter(tmp_path, level):
+    """At "info" transformers would print the model config and each file at every save the engine makes (and
+    reports itself); "debug" shows them again."""
+    code = ("from engine import Run\nfrom engine.testing import tiny_dataset, tiny_model\n"
+            f"Run({{'train': {{'max_steps': 2, 'save_strategy': 'steps', 'save_steps': 1, 'log_level': {level!r}, "
+            f"'output_dir': {str(tmp_path)!r}, 'disable_tqdm': True}}}}, model=tiny_model(), "
+            "train_dataset=tiny_dataset()).train()\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr
+    assert "engine: saved the final model" in result.stderr
+    chatter = [line for line in result.stderr.splitlines()
+               if line.startswith("[transformers] ") and ("saved in" in line or "Model config" in line)]
+    assert len(chatter) == (0 if level == "info" else 9), chatter  # 3 files at each of 2 checkpoints and the end
+
+
 def test_known_import_noise_shows_at_debug(tmp_path):
     code = ("import logging, engine.run\n"
             "from engine.logs import quiet_known_noise\n"
