@@ -292,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_status
     args = parser.parse_args(_join_plugin_edits(sys.argv[1:] if argv is None else list(argv)))
     command = args.handler
+    from .logs import quiet_known_noise
+
+    quiet_known_noise()  # every command: what libraries say while they are imported is not the command's output
     show_traceback = getattr(args, "traceback", False) or \
         os.environ.get("ENGINE_TRACEBACK", "").strip().lower() not in ("", "0", "false", "no", "off")
     try:

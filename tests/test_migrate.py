@@ -505,3 +505,15 @@ def test_fsdp_config_values_of_the_wrong_type_are_listed(tmp_path):
         migration = engine.migrate({"output_dir": "out", "fsdp": True, "fsdp_config": path})
         assert dict(migration.lost) == {f"fsdp_config = {show(path)}": f"fsdp_config {path} {problem}" + (
             "; name the fsdp_config JSON file" if "nests" not in problem else "")}
+
+
+def test_migrate_prints_nothing_libraries_say_while_they_load(tmp_path):
+    """transformers brings in torchao, bitsandbytes and torch's pytree registrations; their import-time lines
+    (on this machine: torchao's CPU build, the kernels package, torch's Enum deprecation) are filtered as in a run."""
+    (tmp_path / "args.json").write_text(json.dumps({"output_dir": "out", "learning_rate": 2e-5}))
+    done = engine_command("migrate", "args.json", "-o", "run.toml", cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    said = (done.stdout + done.stderr).splitlines()
+    assert said[0] == "engine migrate: args.json -> plugins = []"
+    noise = ("Failed to load", "is an Enum subclass", "kernels-community", "Setting accelerator to CPU")
+    assert [line for line in said if any(text in line for text in noise)] == []
