@@ -141,7 +141,7 @@ def assert_one_line_error(result: Any, fragment: str) -> None:
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("engine: error: "), result.stderr
-    assert fragment in lines[0]
+    assert fragment in lines[0], lines[0]
 
 
 def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:

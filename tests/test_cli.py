@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -10,8 +11,10 @@ from engine.testing import assert_one_line_error
 
 
 def engine(*args, cwd=None, timeout=300):
+    """``engine ARGS`` in a process; by default in a folder of its own, so that runs of parallel tests never share
+    the default output_dir (one would find it locked by the other)."""
     return subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout)
+                          cwd=cwd or tempfile.mkdtemp(prefix="engine-cli-"), timeout=timeout)
 
 
 @pytest.fixture
