@@ -51,8 +51,8 @@ DOWNLOAD = TMP + "hub-checkpoint"  # output_dir/.tmp-hub-checkpoint/: the checkp
 @dataclass
 class HubOptions:
     repo: str = option(nonempty=True, help=(
-        "a Hub repo id 'user/model', or a filesystem target: a path, a file:// URL or any fsspec URL "
-        "(s3://... with s3fs)"))
+        "a Hub repo id 'user/model' (a bare 'model' goes under the token owner's namespace, as Trainer's "
+        "hub_model_id), or a filesystem target: a path, a file:// URL or any fsspec URL (s3://... with s3fs)"))
     strategy: Literal["end", "every_save", "checkpoint", "all_checkpoints"] = option("every_save", help=(
         "what to push: end (the final model), every_save (also each checkpoint's model), checkpoint "
         "(also the latest whole checkpoint in last-checkpoint/), all_checkpoints (each as checkpoint-<step>/)"))
@@ -210,13 +210,17 @@ class Hub:
                 if getattr(options, key):
                     raise ConfigError(f"hub.{key}: applies to Hub repos only; {repo!r} is a filesystem target")
         elif not is_repo_id(repo):
-            raise ConfigError(f"hub.repo: {repo!r} is neither a Hub repo id 'user/model' (letters, digits, -_. ; "
-                              "no '--' or '..') nor a filesystem target (a path starting with / ./ ~, or a URL)")
+            raise ConfigError(f"hub.repo: {repo!r} is neither a Hub repo id 'user/model' or 'model' (letters, digits, "
+                              "-_. ; no '--' or '..') nor a filesystem target (a path starting with / ./ ~, or a URL)")
         if options.strategy == "end" and not run.config.train.save_final_model:
             raise ConfigError("hub.strategy = 'end' pushes the final model, but train.save_final_model = false")
         if options.strategy == "checkpoint" and run.config.train.save_strategy == "no":
             logger.warning("hub.strategy = 'checkpoint' with train.save_strategy = 'no': no checkpoint to push")
         self.token = None if is_filesystem(repo) else resolve_token(options)
+        if not is_filesystem(repo) and "/" not in repo and not self.token:
+            raise ConfigError(f"hub.repo: {repo!r} goes under your Hub namespace (as Trainer's hub_model_id does), which "
+                              "needs a token to know: set hub.token or HF_TOKEN, log in with `hf auth login`, or write "
+                              f"'user/{repo}'")
         if options.private and not self.token:
             raise ConfigError("hub.private = true needs a token to create the repo: set hub.token or HF_TOKEN, "
                               "or log in with `hf auth login`")

@@ -11,6 +11,7 @@ A third party adds another by subclassing :class:`Target`; :func:`open_target` p
 from __future__ import annotations
 
 import fnmatch
+import logging
 import os
 import re
 import shutil
@@ -125,13 +126,14 @@ class FilesystemTarget(Target):
             self.fs.get_file(f"{remote}/{name}", str(local / name))
 
 
-_REPO_ID = re.compile(r"[A-Za-z0-9][\w.\-]*/[A-Za-z0-9][\w.\-]*")
+_REPO_ID = re.compile(r"(?:[A-Za-z0-9][\w.\-]*/)?[A-Za-z0-9][\w.\-]*")
 
 
 def is_repo_id(repo: str) -> bool:
-    """``user/model`` (what the Hub accepts: letters, digits, ``-_.``; no ``--`` or ``..``, no ``.git`` end)."""
+    """``user/model``, or a bare ``model`` that the Hub creates under the token owner's namespace as Trainer's
+    ``hub_model_id`` does (what the Hub accepts: letters, digits, ``-_.``; no ``--`` or ``..``, no ``.git`` end)."""
     return bool(_REPO_ID.fullmatch(repo)) and "--" not in repo and ".." not in repo \
-        and not repo.endswith(".git") and len(repo.split("/")[1]) <= 96
+        and not repo.endswith(".git") and len(repo.split("/")[-1]) <= 96
 
 
 class HubTarget(Target):
@@ -141,7 +143,10 @@ class HubTarget(Target):
                  connect_timeout: float):
         self.repo_id, self.token, self.private, self.revision = repo_id, token, private, revision
         self.connect_timeout = connect_timeout
-        self.description = f"the Hub repo {repo_id}" + (f" (branch {revision})" if revision else "")
+
+    @property
+    def description(self) -> str:
+        return f"the Hub repo {self.repo_id}" + (f" (branch {self.revision})" if self.revision else "")
 
     def check(self) -> None:
         import huggingface_hub
@@ -152,7 +157,10 @@ class HubTarget(Target):
         try:
             # huggingface_hub's API calls have no timeout: a Hub that never answers would hold the start forever
             wait_for_server(constants.ENDPOINT, self.connect_timeout, "hub")
-            huggingface_hub.create_repo(self.repo_id, token=self.token, private=self.private, exist_ok=True)
+            created = huggingface_hub.create_repo(self.repo_id, token=self.token, private=self.private, exist_ok=True)
+            if created.repo_id != self.repo_id:  # a bare name: the Hub put it under the token owner's namespace
+                logging.getLogger("engine.hub").info("hub.repo %r is %s", self.repo_id, created.repo_id)
+                self.repo_id = created.repo_id
             if self.revision:
                 huggingface_hub.create_branch(self.repo_id, branch=self.revision, token=self.token, exist_ok=True)
         except Exception as exc:  # HTTP errors, no connection, refused credentials

@@ -35,6 +35,7 @@ class FakeHub:
     requests: list[str] = field(default_factory=list)
     validated: list[str] = field(default_factory=list)  # model card metadata sent to /api/validate-yaml
     lock: threading.Lock = field(default_factory=threading.Lock)
+    user: str = "user"  # the owner of any token: where a bare repo name is created
 
     def files(self, repo: str, branch: str = "main") -> dict[str, bytes]:
         return self.repos[repo][branch]
@@ -144,7 +145,8 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(200, {})
         if path == "/api/repos/create":
             request = json.loads(body)
-            repo = f"{request['organization']}/{request['name']}" if request.get("organization") else request["name"]
+            # a bare name goes under the namespace of the token's owner, as on the Hub
+            repo = f"{request.get('organization') or hub.user}/{request['name']}"
             with hub.lock:
                 if repo in hub.repos:
                     return self._send(409, {"error": "You already created this model repo", "url": f"/{repo}"})

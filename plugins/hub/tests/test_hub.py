@@ -244,6 +244,8 @@ def cli(tmp_path, capfd, monkeypatch):
     ({"repo": "user/../model"}, {}, "is neither a Hub repo id"),
     ({"repo": "./blocker/remote"}, {}, "hub.repo: cannot write to ./blocker/remote"),
     ({"repo": "user/model", "private": True}, {}, "hub.private = true needs a token"),
+    ({"repo": "zephyr-7b-sft-full"}, {}, "hub.repo: 'zephyr-7b-sft-full' goes under your Hub namespace (as "
+     "Trainer's hub_model_id does), which needs a token to know"),
     ({"repo": "./remote", "strategy": "checkpoint"}, {"resume_from_checkpoint": "hub"},
      "has no last-checkpoint/ (pushed by hub.strategy = 'checkpoint')"),
 ])

@@ -110,3 +110,28 @@ def test_an_unreachable_hub_is_one_line_before_training(tmp_path):
                                                "user/model"), err
     assert TOKEN not in done.stderr + done.stdout
     assert not Path(tmp_path / "out").exists()
+
+
+BARE_NAME_CHILD = """
+import sys
+from engine.testing import run_steps, tiny_model
+
+run_steps(2, plugins=["hub"], output_dir=sys.argv[1], model=tiny_model(seed=0),
+          sections={"hub": {"repo": "zephyr-7b-sft-full", "strategy": "end"}})
+"""
+
+
+def test_a_bare_repo_name_goes_under_the_token_owners_namespace_as_trainers_hub_model_id(tmp_path):
+    hub, server = serve()
+    try:
+        env = {**os.environ, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": f"http://127.0.0.1:{server.server_port}",
+               "HF_HOME": str(tmp_path / "hf"), "HF_TOKEN": TOKEN, "HF_HUB_DISABLE_TELEMETRY": "1",
+               "OMP_NUM_THREADS": "1"}
+        done = subprocess.run([sys.executable, "-c", BARE_NAME_CHILD, str(tmp_path / "out")], env=env,
+                              capture_output=True, text=True, timeout=600)
+    finally:
+        server.shutdown()
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "engine: hub.repo 'zephyr-7b-sft-full' is user/zephyr-7b-sft-full" in done.stderr
+    assert list(hub.repos) == ["user/zephyr-7b-sft-full"]
+    assert MODEL_FILES | {FINAL_MARKER, "README.md"} <= set(hub.files("user/zephyr-7b-sft-full"))
