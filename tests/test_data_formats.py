@@ -186,7 +186,8 @@ def test_examples_left_with_nothing_to_learn_are_dropped_and_counted(tmp_path, t
         train = build_datasets(config(tmp_path, train=source, packing=False, max_length=8), tokenizer, 0).train
     assert len(train) == 3 and all(any(label != IGNORE_INDEX for label in labels[1:]) for labels in train["labels"])
     assert "data.train: dropped 2 of 5 examples with no token to learn (a label other than -100 after the first): " \
-           "data.max_length = 8 cuts the answers away; raise it, or set data.truncation = \"drop\"" in caplog.text
+           "data.max_length = 8 cuts the answers away in 2 of 5 examples (their first answer token is at position 80; " \
+           "data.max_length = 81 keeps one in every example); raise it, or set data.truncation = \"drop\"" in caplog.text
 
 
 def test_rows_of_token_ids_are_checked_against_the_model_not_data_max_length(tmp_path, tokenizer):

@@ -628,8 +628,10 @@ BAD_ROWS = [  # (case, data file content, --set overrides, the error line after 
     # every row left out: truncation leaves no answer to learn (it used to stop as "diverged" at lr 0)
     ("no answer left", _lines(*[{"prompt": "line 1 of a corpus " * 5, "completion": "yes"}] * 8),
      ["data.packing=false"],
-     "data.train: no example has a token to learn (a label other than -100 after the first): data.max_length = 16 "
-     "cuts the answers away; raise it, or set data.truncation = \"drop\" to leave out examples longer than it"),
+     "data.train: none of the 8 examples has a token to learn (a label other than -100 after the first): "
+     "data.max_length = 16 cuts the answers away in 8 of 8 examples (their first answer token is at position 30; "
+     "data.max_length = 31 keeps one in every example); raise it, or set data.truncation = \"drop\" to leave out "
+     "examples longer than it"),
 ]
 
 

@@ -170,27 +170,42 @@ def _learnable(examples: Any, key: str, why: str) -> Any:
     refused, so that no step's loss is nan from an empty set of labels."""
     import datasets
     import numpy as np
-    import pyarrow.compute as pc
 
     if "labels" not in column_names(examples):
         return examples
     if isinstance(examples, datasets.IterableDataset):
         return examples.filter(_has_label_token, input_columns="labels")
-    labels = examples.with_format("arrow")["labels"].combine_chunks()
-    values = labels.flatten().to_numpy(zero_copy_only=False)
-    learnt = values != IGNORE_INDEX
-    starts = labels.offsets.to_numpy()[:-1]
-    learnt[starts[starts < len(values)]] = False  # each example's first label: nothing predicts it
-    counts = np.bincount(pc.list_parent_indices(labels).to_numpy(zero_copy_only=False)[learnt],
-                         minlength=len(labels))
-    empty = int((counts == 0).sum())
+    first = first_learnt(examples)
+    empty = int((first < 0).sum())
     if empty == 0:
         return examples
-    if empty == len(labels):
-        raise ConfigError(f"{key}: no example has a token to learn (a label other than -100 after the first): {why}")
+    if empty == len(first):
+        raise ConfigError(f"{key}: none of the {empty} examples has a token to learn (a label other than -100 after "
+                          f"the first): {why}")
     logger.info("%s: dropped %d of %d examples with no token to learn (a label other than -100 after the first): %s",
-                key, empty, len(labels), why)
-    return examples.select(np.flatnonzero(counts > 0))
+                key, empty, len(first), why)
+    return examples.select(np.flatnonzero(first >= 0))
+
+
+def first_learnt(examples: Any) -> Any:
+    """Each example's position of its first token to learn (a label other than -100 after the first); -1 for
+    none. An example truncated to ``max_length`` keeps one when this is below ``max_length``."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    labels = examples.with_format("arrow")["labels"].combine_chunks()
+    values = labels.flatten().to_numpy(zero_copy_only=False)
+    offsets = labels.offsets.to_numpy()
+    learnt = values != IGNORE_INDEX
+    starts = offsets[:-1]
+    learnt[starts[starts < len(values)]] = False  # each example's first label: nothing predicts it
+    parents = pc.list_parent_indices(labels).to_numpy(zero_copy_only=False)
+    at = np.flatnonzero(learnt)  # ascending, so each example's first learnt label is where its index changes
+    owners = parents[at]
+    firsts = np.flatnonzero(np.diff(owners, prepend=-1))
+    first = np.full(len(labels), -1, dtype=np.int64)
+    first[owners[firsts]] = at[firsts] - offsets[owners[firsts]]
+    return first
 
 
 def _has_label_token(labels: list[int]) -> bool:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.errors import ConfigError
 
-from .checks import MAP_BATCH_SIZE, ModelLimits, _learnable, check_token_rows
+from .checks import MAP_BATCH_SIZE, ModelLimits, _learnable, check_token_rows, first_learnt
 from .packing import (
     _encode_and_pack, _encode_chat, _encode_completion, _encode_text, _pack_concatenated, _pack_documents,
     _truncate,
@@ -83,9 +83,7 @@ def _tokenize_and_shape(rows: Any, kind: str, data: DataConfig, tokenizer: PreTr
                                    eos=_eos_id(tokenizer), key=key)
     length = data.max_length
     # text rows learn every token; the answers of chat and prompt/completion rows may be cut away
-    why = (f"data.max_length = {length} cuts the answers away; raise it" +
-           ("" if data.packing is True or data.truncation == "drop" else
-            ", or set data.truncation = \"drop\" to leave out examples longer than it"))
+    why = _answers_cut(data, length)
     if data.packing is True:
         return _learnable(_nonempty(pipeline.map(encoded, _pack_concatenated, "pack", arrow=True, length=length),
                                     data, key), key, why)
@@ -98,6 +96,25 @@ def _tokenize_and_shape(rows: Any, kind: str, data: DataConfig, tokenizer: PreTr
     if data.packing == "document":
         return pipeline.map(encoded, _pack_documents, "pack documents", length=length)
     return encoded
+
+
+def _answers_cut(data: DataConfig, length: int, encoded: Any = None) -> str:
+    """Why examples have no token to learn left: ``data.max_length`` cut their answers away, and what to change.
+    Given the ``encoded`` examples before truncation, also how many it empties, where their answers start and the
+    max_length that keeps one in every example."""
+    import numpy as np
+
+    counts = ""
+    if encoded is not None and "labels" in encoded.column_names:
+        first = first_learnt(encoded)
+        cut = first[first >= length]
+        if len(cut):
+            where = f"{cut.min()}" if cut.min() == cut.max() else f"{cut.min()} to {cut.max()}"
+            counts = (f" in {len(cut)} of {len(first)} examples (their first answer token is at position {where}; "
+                      f"data.max_length = {np.max(first) + 1} keeps one in every example)")
+    return (f"data.max_length = {length} cuts the answers away{counts}; raise it" +
+            ("" if data.packing is True or data.truncation == "drop" else
+             ", or set data.truncation = \"drop\" to leave out examples longer than it"))
 
 
 def _nonempty(packed: Any, data: DataConfig, key: str) -> Any:
@@ -128,8 +145,8 @@ def _fit(encoded: Any, data: DataConfig, key: str, pipeline: _Pipeline, why: str
                               f"{data.max_length}; raise it or set data.truncation = \"truncate\"")
         fitted, done = _learnable(encoded.select(np.flatnonzero(lengths <= data.max_length)), key, why), "dropped"
     else:
-        fitted, done = _learnable(pipeline.map(encoded, _truncate, "truncate", length=data.max_length), key, why), \
-            "truncated"
+        fitted, done = _learnable(pipeline.map(encoded, _truncate, "truncate", length=data.max_length), key,
+                                  _answers_cut(data, data.max_length, encoded)), "truncated"
     logger.info("%s: %s %d of %d examples longer than data.max_length = %d", key, done, too_long, len(lengths),
                 data.max_length)
     return fitted
