@@ -17,33 +17,12 @@ hooks ``register_commands``, ``add_run_arguments`` and ``edit_run_config``.
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 from typing import Any
 
 from . import __version__
+from .discovery import command_hooks
 from .errors import EngineError
-
-COMMANDS_GROUP = "engine.commands"
-
-
-@functools.cache
-def _command_hooks() -> Any:
-    """The hooks of the command-line plugins: the entry-point group ``engine.commands``, loaded once."""
-    import importlib.metadata
-
-    import pluggy
-
-    from . import hookspecs
-    from .plugins import PROJECT, InstalledPlugin
-
-    manager = pluggy.PluginManager(PROJECT)
-    manager.add_hookspecs(hookspecs)
-    for entry in importlib.metadata.entry_points(group=COMMANDS_GROUP):
-        plugin = InstalledPlugin(entry.name, entry.value, entry.dist.metadata["Name"] if entry.dist else "?",
-                                 entry.dist.version if entry.dist else "?")
-        manager.register(plugin.load(), name=entry.name)
-    return manager.hook
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser, run_file: bool = True) -> None:
@@ -55,7 +34,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser, run_file: bool = True) -
     parser.add_argument("-p", "--plugins", dest="plugin_edits", action="append", default=[], metavar="EDIT",
                         help="'+name,-name' enables/disables plugins; 'a,b' replaces the list (after "
                              "ENGINE_PLUGINS, whose '-name' entries never load)")
-    _command_hooks().add_run_arguments(parser=parser)  # e.g. --accelerate-config
+    command_hooks().add_run_arguments(parser=parser)  # e.g. --accelerate-config
     parser.add_argument("--traceback", action="store_true", help=(
         "on an error, also print its traceback (or set ENGINE_TRACEBACK=1)"))
 
@@ -87,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         "a run file (its plugins are marked enabled), or 'new NAME' to write a plugin package engine-NAME/"))
     plugins.set_defaults(handler=_plugins)
     _add_run_arguments(plugins, run_file=False)
-    _command_hooks().register_commands(commands=commands)  # e.g. migrate, report, plugins new / --check
+    command_hooks().register_commands(commands=commands)  # e.g. migrate, report, plugins new / --check
     return parser
 
 
@@ -96,7 +75,7 @@ def _raw_config(args: argparse.Namespace) -> dict[str, Any]:
 
     raw = read_run_file(args.run_file) if args.run_file is not None else default_run_mapping()
     # what the command-line plugins' options changed, (title, lines) each: shown by plan, logged by the others
-    args.config_edits = [edit for edit in _command_hooks().edit_run_config(raw=raw, args=args) if edit]
+    args.config_edits = [edit for edit in command_hooks().edit_run_config(raw=raw, args=args) if edit]
     return raw
 
 

@@ -31,6 +31,7 @@ PROJECT = "engine"  # pluggy's project name: markers set the attribute "engine_i
 ENTRY_POINT_GROUP = f"{PROJECT}.plugins"  # where installed distributions name their plugins
 BUILTIN_PREFIX = "builtin."  # builtins are named "builtin.<module>" (names only: never tested by prefix)
 BUILTINS_GROUP = "engine.builtins"  # entry points naming ordered tuples of builtin specs (engine.builtin:PLUGINS)
+COMMANDS_GROUP = "engine.commands"  # the tooling: commands, command-line options, config conversions
 
 
 @functools.cache
@@ -225,3 +226,19 @@ def unknown_plugin_message(name: str, installed: Iterable[str]) -> str:
     parts.append(f"installed plugins: {', '.join(installed) or '(none)'} (plugins are the entry points of "
                  f"group {ENTRY_POINT_GROUP!r} of installed distributions)")
     return "; ".join(parts)
+
+
+@functools.cache
+def command_hooks() -> Any:
+    """The hooks of the tooling (entry-point group ``engine.commands``), loaded once: commands, options, Run(config)."""
+    import pluggy
+
+    from . import hookspecs
+
+    manager = pluggy.PluginManager(PROJECT)
+    manager.add_hookspecs(hookspecs)
+    for entry in importlib.metadata.entry_points(group=COMMANDS_GROUP):
+        plugin = InstalledPlugin(entry.name, entry.value, entry.dist.metadata["Name"] if entry.dist else "?",
+                                 entry.dist.version if entry.dist else "?")
+        manager.register(plugin.load(), name=entry.name)
+    return manager.hook

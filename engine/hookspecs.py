@@ -67,7 +67,7 @@ ISOLATED_HOOKS = ("log_hyperparams", "log_metrics", "log_samples", "log_finish",
 # Hooks of the engine's tooling, not of a run: the command line's (called on the plugins of the
 # entry-point group ``engine.commands`` while a command line is read) and the mappings that
 # ``engine migrate`` and ``--accelerate-config`` ask of an installed plugin, enabled or not.
-TOOLING_HOOKS = ("register_commands", "add_run_arguments", "edit_run_config", "trainer_argument_mappings",
+TOOLING_HOOKS = ("register_commands", "add_run_arguments", "edit_run_config", "convert_run_config", "trainer_argument_mappings",
                  "accelerate_mappings")
 # Hooks every run needs answered: blocking the builtin that answers one ("-builtin.steps" in
 # ``plugins``) without enabling another plugin that does is refused while the run is composed.
@@ -1004,22 +1004,22 @@ def edit_run_config(raw: dict[str, Any], args: Any) -> tuple[str, list[str]] | N
     """
 
 
-@hookspec
-def accelerate_mappings() -> dict[str, Any] | None:
-    """Map keys of an Accelerate config file onto this plugin, for ``--accelerate-config``.
+@hookspec(firstresult=True)
+def convert_run_config(config: Any) -> dict[str, Any] | None:
+    """A run mapping from a config object that is neither a run file nor a mapping.
 
-    **When**: while ``--accelerate-config`` is read, on the installed plugin that the catalogue of
-    first-party plugins names for such a key (``fsdp_config``: fsdp), whether or not the run enables
-    it yet. **Combine**: broadcast, asked of that one plugin: ``{Accelerate key: handler(mapping,
-    key, value, enabled)}``, where ``enabled`` is the strategy plugin the file's
-    ``distributed_type`` enables; ``engine.kit.mappings.nested`` makes the handler of a table of
-    settings.
+    **When**: by ``Run(config)`` given such an object (a ``TrainingArguments``, TRL's
+    ``SFTConfig``), before any plugin loads, on the plugins of the entry-point group
+    ``engine.commands``. **Combine**: firstresult: the run mapping (``{"plugins": [...],
+    "train": {...}}``), having logged what did not carry over; None for an object the plugin does
+    not know. The engine's tooling converts Trainer's arguments as ``engine migrate`` does.
 
     Example::
 
         @hookimpl
-        def accelerate_mappings():
-            return {"fsdp_config": nested("fsdp", "FSDP", "an FSDP setting", FSDP_CONFIG)}
+        def convert_run_config(config):
+            if isinstance(config, argparse.Namespace):
+                return {"train": {"learning_rate": config.lr, "max_steps": config.steps}}
     """
 
 

@@ -21,6 +21,7 @@ from . import config as cfg
 from .catalogue import ADAPTER_PLUGIN
 from .errors import ConfigError
 from .logs import quiet_known_noise, setup_logging
+from .discovery import command_hooks
 from .plugins import PLUGINS_ENV, EnvironmentPlugins, IsolatedHooks, PluginManager, builtin_specs
 from .rundir import env_rank
 from .state import Control, Datasets, PredictionOutput, TrainState
@@ -93,8 +94,13 @@ class Run:
         quiet_known_noise()  # before the plugins (and the libraries they import) load
         if isinstance(config, (str, Path)):
             raw = cfg.read_run_file(config)
-        else:
+        elif config is None or isinstance(config, dict):
             raw = dict(config or {})
+        else:  # e.g. a TrainingArguments, converted as `engine migrate` converts it
+            raw = command_hooks().convert_run_config(config=config)
+            if raw is None:
+                raise ConfigError(f"Run(config): expected a run file, a mapping or a TrainingArguments, got "
+                                  f"{type(config).__name__}")
         environment = EnvironmentPlugins.read()
         in_config = cfg.enabled_plugins(raw)
         raw, left_out = environment.exclude(cfg.apply_overrides(raw, overrides, [*environment.edits(), *plugin_edits],

@@ -3,13 +3,14 @@
 
 A plugin of the entry-point group ``engine.commands`` (the engine's pyproject.toml), asked by
 every ``engine`` command line through ``register_commands``, ``add_run_arguments`` and
-``edit_run_config``. Only argparse loads here: each command imports its code when it runs, so
+``edit_run_config``, and by ``Run(config)`` through ``convert_run_config``. Only argparse loads here: each command imports its code when it runs, so
 ``engine --help`` stays fast.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 import sys
 from typing import Any, Callable
@@ -26,7 +27,11 @@ def register_commands(commands: Any) -> None:
     migrate = commands.add_parser("migrate", help=(
         "write a run file from transformers TrainingArguments (a to_json_string() dump); the report of what "
         "was mapped, and of what has no counterpart, goes to stderr"))
-    migrate.add_argument("arguments", metavar="ARGS.json", help="TrainingArguments.to_json_file() output")
+    migrate.add_argument("arguments", metavar="ARGS.json", help=(
+        "TrainingArguments.to_json_file() output, an SFTConfig/ModelConfig dump (JSON or YAML), an alignment-handbook "
+        "recipe, a .txt of TRL's command-line arguments or an Axolotl YAML"))
+    migrate.add_argument("--from", dest="source_kind", choices=["axolotl"], help=(
+        "read the file as this tool's config (default: recognised by its keys)"))
     migrate.add_argument("-o", "--output", metavar="RUN.toml", help="write the run file here (default: stdout)")
     migrate.add_argument("--force", action="store_true", help="overwrite an existing -o file")
     migrate.set_defaults(handler=_migrate)
@@ -59,6 +64,22 @@ def edit_run_config(raw: dict[str, Any], args: argparse.Namespace) -> tuple[str,
     raw.clear()
     raw.update(edited)
     return f"accelerate config {mapping.source}", mapping.lines
+
+
+@hookimpl
+def convert_run_config(config: Any) -> dict[str, Any] | None:
+    """``Run(training_args)``: Trainer's (or TRL's) arguments converted by ``engine migrate``'s table."""
+    if not hasattr(config, "to_json_string"):
+        return None
+    from engine.tooling.migration import migrate
+
+    migration = migrate(config)
+    lost = [what for what, _ in migration.lost] + migration.unknown
+    if lost:
+        logging.getLogger("engine").warning(
+            "Run(%s): not carried over: %s (engine.migrate(args).report() says why)",
+            migration.source, "; ".join(lost))
+    return migration.mapping
 
 
 # ---------------------------------------------------------------------------- engine plugins new / --check
@@ -122,7 +143,7 @@ def _migrate(args: argparse.Namespace) -> int:
     output = Path(args.output) if args.output else None
     if output is not None and output.exists() and not args.force:
         raise ConfigError(f"-o {output}: the file exists; pass --force to overwrite it")
-    migration = migrate(read_arguments(args.arguments), source=args.arguments)
+    migration = migrate(read_arguments(args.arguments), source=args.arguments, kind=args.source_kind)
     if output is None:
         sys.stdout.write(migration.toml())
     else:
