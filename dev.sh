@@ -50,11 +50,12 @@ case "${1:-}" in
     setup) setup ;;
     # the demo starts afresh each time; a plain `engine train` refuses to overwrite another run
     run) setup; shift; "$VENV/bin/engine" train --set train.overwrite_output_dir=true "$@" ;;
-    # two workers, a test file each; then the tests marked "alone" (the offline wheelhouse) by themselves.
+    # two workers, a test file each (the 25 slowest tests listed: CI has a time budget); then the tests marked
+    # "alone" (the offline wheelhouse) by themselves.
     # With arguments: pytest with those arguments, in one process
     test) setup; shift
         if [ $# -gt 0 ]; then exec "$PY" -m pytest "$@"; fi
-        "$PY" -m pytest -n 2 --dist loadfile -m "not alone" tests contrib plugins
+        "$PY" -m pytest -n 2 --dist loadfile --durations=25 -m "not alone" tests contrib plugins
         "$PY" -m pytest -m alone tests contrib plugins ;;
     wheels) setup; shift; "$PY" scripts/wheelhouse.py "$@" ;;
     *) echo "usage: ./dev.sh setup|run|test|wheels [args]" >&2; exit 2 ;;
