@@ -76,6 +76,30 @@ def tiny_tokenizer(vocab_size: int = 300) -> Any:
     return tokenizer
 
 
+# A ChatML-style template whose turn markers the tokenizer of :func:`chatml_tokenizer` holds as tokens
+CHATML_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def chatml_tokenizer(texts: list[str], vocab_size: int = 300) -> Any:
+    """A byte-level BPE tokenizer trained on ``texts``, with ``<|im_start|>`` / ``<|im_end|>`` as special
+    tokens and :data:`CHATML_TEMPLATE` as its chat template (chat, sharegpt and mixture tests)."""
+    from .builtin.data.tokenizer import train_tokenizer
+
+    tokenizer = train_tokenizer(texts, vocab_size)
+    tokenizer.add_tokens(["<|im_start|>", "<|im_end|>"], special_tokens=True)
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def write_jsonl(path: str | Path, rows: list[dict[str, Any]]) -> str:
+    """``rows`` written as JSON lines to ``path``; its path as a string (a data.train value)."""
+    import json
+
+    Path(path).write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return str(path)
+
+
 def tiny_dataset(size: int = 64, seq_len: int = 16, vocab_size: int = 128, seed: int = 0,
                  ragged: bool = False) -> TokenDataset:
     """``size`` rows of ``seq_len`` tokens with a learnable pattern (each token predicts the next).

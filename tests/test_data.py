@@ -387,8 +387,8 @@ def test_callable_sources(tmp_path, monkeypatch, data, tokenizer):
         build_datasets(data(train="my_data:make", eval="my_data:wrong"), tokenizer, seed=0)
     with pytest.raises(ConfigError, match="data.train: module 'my_data' has no attribute 'nope'"):
         build_datasets(data(train="my_data:nope"), tokenizer, seed=0)
-    with pytest.raises(ConfigError, match="data.eval_split: .*callable 'my_data:make'; set data.eval"):
-        build_datasets(data(train="my_data:make", eval_split=0.1), tokenizer, seed=0)
+    with pytest.raises(ConfigError, match="data.eval_split: .*'my_data:stream' returned a Stream, which has none"):
+        build_datasets(data(train="my_data:stream", eval_split=0.1), tokenizer, seed=0)
 
 
 TOKEN_ROW_PROBLEMS = [  # (row, task, why it cannot be trained on)

@@ -17,11 +17,10 @@ from engine.builtin.data.tokenizer import train_tokenizer
 from engine.loss import IGNORE_INDEX
 from engine.state import Datasets
 from engine.errors import ConfigError
-from engine.testing import tiny_model
+from engine.testing import CHATML_TEMPLATE, chatml_tokenizer, tiny_model, write_jsonl
 
 WORDS = "the fox cat owl jumps over lazy dogs and writes answers questions hello world".split()
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TEMPLATE = CHATML_TEMPLATE
 CHATS = [
     [{"role": "user", "content": "hello fox"}, {"role": "assistant", "content": "hello world, the cat"}],
     [{"role": "system", "content": "be lazy"}, {"role": "user", "content": "owl?"},
@@ -33,15 +32,7 @@ CHATS = [
 @pytest.fixture(scope="module")
 def tokenizer():
     texts = [" ".join(WORDS[(i + j) % len(WORDS)] for j in range(9)) for i in range(60)]
-    tok = train_tokenizer(texts, 300)
-    tok.add_tokens(["<|im_start|>", "<|im_end|>"], special_tokens=True)
-    tok.chat_template = TEMPLATE
-    return tok
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return str(path)
+    return chatml_tokenizer(texts, 300)
 
 
 def config(tmp_path, **changes):
@@ -117,8 +108,8 @@ BAD_CHATS = [  # (messages of the bad row, the message naming it)
      "'messages/[]/role' holds a number where the rows before hold a string; give it a string (or the rows before "
      "a number)"),
     ([USER, {"role": "assistant", "content": "boom"}],
-     "the chat template raised TemplateError: no boom; fix the row, or the template (data.tokenizer's "
-     "tokenizer_config.json)"),
+     "the chat template raised TemplateError: no boom; fix the row, or the template (data.chat_template, or the "
+     "tokenizer's own)"),
 ]
 
 

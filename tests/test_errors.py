@@ -616,7 +616,7 @@ BAD_ROWS = [  # (case, data file content, --set overrides, the error line after 
     ("chat template raises", _lines(*CHAT_ROWS, {"messages": [{"role": "user", "content": "boom"}, CHAT[1]]}),
      ["data.tokenizer=\"raising\""],
      "data.train: rows.jsonl line 7: the chat template raised TemplateError: no boom; fix the row, or the template "
-     "(data.tokenizer's tokenizer_config.json)"),
+     "(data.chat_template, or the tokenizer's own)"),
     ("chat template broken", _lines(*CHAT_ROWS), ["data.tokenizer=\"broken\""],
      "data.train: rows.jsonl line 1: the chat template raised TemplateSyntaxError: "),
     # empty data, in the engine's words (not StopIteration, SchemaInferenceError, nor blamed on eval_split)

@@ -4,8 +4,10 @@ Its modules, one concern each: :mod:`.sources` (files, globs, folders, saved dat
 names), :mod:`.tokenizer`, :mod:`.chat` (chat templates), :mod:`.packing` (tokenizing and
 packing), :mod:`.task_rows` (other tasks' rows), :mod:`.checks` (rows of token ids against the
 model), :mod:`.prepare` (the cached map pipeline), :mod:`.collators`, :mod:`.build`
-(:func:`build_datasets`) and :mod:`.streaming`. transformers and datasets are imported inside the
-functions that need them, so importing this package stays cheap.
+(:func:`build_datasets`), :mod:`.mixture` (several sources, ``[[data.mixture]]``), :mod:`.formats`
+(prompt formats: alpaca, sharegpt, input_output), :mod:`.templates` (named chat templates) and
+:mod:`.streaming`. transformers and datasets are imported inside the functions that need them, so
+importing this package stays cheap.
 
 This module is the plugin: it answers the setup hooks for the tokenizer, the data and the collator,
 checks what the data needs at configure time, and keeps a stream's position in checkpoints.
@@ -28,12 +30,17 @@ from .build import (
     schedules_evaluation,
 )
 from .checks import input_limits
-from .collators import collator_for, enable_document_packing
+from .collators import collator_for, enable_document_packing, flattens
+from .formats import check_options as check_format_options, check_rows, peekable_sources
+from .mixture import peekable_sources as peekable_mixture
 from .options import DataOptions
 from .sources import show_progress
 from .streaming import ResumableStream
 from .task_rows import label_ids_by_name
-from .tokenizer import build_tokenizer, check_tokenizer_source, has_tokenizer, load_tokenizer
+from .tokenizer import (
+    apply_token_options, build_tokenizer, check_token_options, check_tokenizer_source, fit_model_to_tokens,
+    has_tokenizer, load_tokenizer,
+)
 
 DATA_OPTIONS = DataOptions  # the [data] keys it reads: engine.config.DataConfig has them
 
@@ -46,6 +53,7 @@ def configure(run):
 
         check_model_folder(Path(train.model), "train.model")  # a damaged folder says so first
         check_tokenizer_source(data, train.model)  # before anything loads: engine plan says it too
+    check_token_options(data)  # the chat template read and parsed: engine plan refuses a bad one
     if run.eval_dataset is None and schedules_evaluation(train):
         others_supply_data = any(not run.plugin_manager.is_builtin(impl.plugin_name)
                                  for impl in run.hook.create_datasets.get_hookimpls())
@@ -55,6 +63,16 @@ def configure(run):
     if data.streaming and train.dataloader_num_workers:
         raise ConfigError("data.streaming: needs train.dataloader_num_workers = 0 (the stream position is "
                           "counted in this process, so that a resumed run starts exactly where it stopped)")
+    check_config(data)  # data.mixture's entries, before anything loads
+    check_format_options(data)
+    if data.format != "auto" and run.train_dataset is None:  # rows of another format refused by engine plan
+        for key, source, split in peekable_sources(data):
+            with named_rows(source, key, data):
+                check_rows(data, key, source, split)
+    if data.mixture is not None and run.train_dataset is None:  # and each mixed source's, by its own format
+        for mixed in peekable_mixture(data):
+            with named_rows(mixed.entry.source, mixed.key, mixed.data):
+                check_rows(mixed.data, mixed.key, mixed.entry.source, mixed.entry.split or data.split)
 
 
 @hookimpl
@@ -64,19 +82,27 @@ def on_build_start(run):
         check_config(run.config.data)  # whoever supplies the data (create_datasets), [data] shapes it
     if given is None or is_datasets_object(given):
         show_progress(not run.config.train.disable_tqdm)
+    if run.tokenizer is not None:  # given to Run: the [data] tokenizer keys apply to it as to one built
+        apply_token_options(run.tokenizer, run.config.data)
 
 
 @hookimpl(trylast=True)
 def create_tokenizer(run, checkpoint):
     data, given = run.config.data, run.train_dataset
     if checkpoint is not None:  # the tokenizer those weights were trained with, not one trained again on today's data
-        return load_tokenizer(str(checkpoint), "--checkpoint") \
+        return apply_token_options(load_tokenizer(str(checkpoint), "--checkpoint"), data) \
             if data.tokenizer in ("auto", "train") and has_tokenizer(checkpoint) else None
     if given is not None and run.model is not None and not needs_tokenizer(given, data, run.task):
         return None  # rows of token ids and a model: nothing to tokenize
     rows = given if is_datasets_object(given) else None
     with named_rows(data.train if given is None else None, "data.train", data):  # rows learnt from
-        return build_tokenizer(data, run.config.train.model, rows, run.task)
+        return apply_token_options(build_tokenizer(data, run.config.train.model, rows, run.task), data)
+
+
+@hookimpl
+def on_model_built(run):
+    if run.tokenizer is not None and run.model is not None:
+        fit_model_to_tokens(run.model, run.tokenizer, run.config.data)  # the tokens the [data] keys added
 
 
 @hookimpl(trylast=True)
@@ -110,8 +136,8 @@ def create_collator(run):
 
 @hookimpl
 def on_build_end(run):
-    if run.config.data.packing == "document":
-        enable_document_packing(run.model)
+    if flattens(run.config.data):
+        enable_document_packing(run.model, flattens(run.config.data))
     if run.config.train.label_names is not None:
         _check_label_names(run)
     vocab_size = getattr(getattr(run.model, "config", None), "vocab_size", None)

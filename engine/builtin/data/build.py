@@ -4,14 +4,13 @@ tokenized, packed; streamed with ``data.streaming``), and datasets given to Run 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable
 
-from torch.utils.data import Dataset as TorchDataset
+from torch.utils.data import Dataset as TorchDataset, IterableDataset as TorchIterableDataset, Subset
 
 from engine.errors import ConfigError
 from engine.state import Datasets
@@ -19,11 +18,13 @@ from engine.util import call_user, is_callable_spec, is_datasets_object, load_ca
 
 from .checks import ModelLimits, check_token_rows
 from .collators import collator_for
-from .prepare import prepare
+from .mixture import kept_rows, log_source, mixed_examples, mixture_rows, mixture_sources
+from .prepare import prepare, shape_examples
 from .sources import (
-    BadRow, _is_saved_dataset, column_names, data_kind, load_source, read_error, row_place, source_files,
+    BadRow, _is_saved_dataset, _name_row, column_names, data_kind, load_source, named_rows, read_error, source_files,
 )
 from .streaming import ResumableStream, raise_explained
+from .task_rows import _Pipeline
 
 if TYPE_CHECKING:
     from engine.config import DataConfig  # assembled from the builtins' options: not at import
@@ -55,6 +56,8 @@ def check_config(data: DataConfig) -> None:
         raise ConfigError(f"data.max_length: must be at least 2, got {data.max_length}")
     if not 0 <= data.eval_split < 1:
         raise ConfigError(f"data.eval_split: must be in [0, 1), got {data.eval_split}")
+    if data.mixture is not None:
+        mixture_sources(data)
 
 
 def build_datasets(data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int, *, shuffle: bool = True,
@@ -107,45 +110,39 @@ def build_datasets(data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: i
             return read_error(error, files, key, source) if files and _reading_error(error) else error
         return explain
 
-    if data.eval is not None or data.eval_split == 0:
+    if data.mixture is not None:
+        if task != "causal-lm":
+            raise ConfigError(f"data.mixture: mixes causal-LM rows (text, chat, prompt/completion), but train.task is "
+                              f"{task!r}; read its rows with data.train")
+        examples = _mixture_examples(data, tokenizer, seed, limits)
+        if data.eval is not None or data.eval_split == 0:
+            train = _shaped(examples, data, tokenizer, "data.mixture")
+            evaluation = None if data.eval is None else from_source(data.eval, "data.eval", data.eval_dataset_split)
+        else:  # the handbook's test_split_size: held out of the mixed examples
+            train_rows, eval_rows = _split(len(examples), data.eval_split, seed, "data.mixture")
+            train = _shaped(examples.select(train_rows).flatten_indices(), data, tokenizer, "data.mixture")
+            evaluation = _shaped(examples.select(eval_rows).flatten_indices(), data, tokenizer, "data.eval_split")
+    elif data.eval is not None or data.eval_split == 0:
         train = from_source(data.train, "data.train")
         if data.streaming and is_datasets_object(train):
             train = ResumableStream(train.shuffle(seed=seed, buffer_size=data.shuffle_buffer_size) if shuffle
                                     else train, "data.train", stream_errors(data.train, "data.train", None))
         evaluation = None if data.eval is None else from_source(data.eval, "data.eval", data.eval_dataset_split)
+    elif data.streaming:
+        raise ConfigError("data.eval_split: holds out documents of a dataset with a length, but data.streaming "
+                          "is true; set data.eval instead")
+    elif is_callable_spec(data.train):  # the function's rows held out as a file's are
+        given = _call_source(data.train, "data.train", tokenizer)
+        train_rows, eval_rows = _split(_length(given, data.train), data.eval_split, seed)
+        train = prepare_given(_subset(given, train_rows), data, tokenizer, "data.train", task, label2id, limits)
+        evaluation = prepare_given(_subset(given, eval_rows), data, tokenizer, "data.eval_split", task, label2id, limits)
     else:
-        if is_callable_spec(data.train):
-            raise ConfigError(f"data.eval_split: holds out documents of text data, but data.train is "
-                              f"the callable {data.train!r}; set data.eval instead")
-        if data.streaming:
-            raise ConfigError("data.eval_split: holds out documents of a dataset with a length, but data.streaming "
-                              "is true; set data.eval instead")
         rows = load_source(data.train, data, "data.train")
         train_rows, eval_rows = _split(len(rows), data.eval_split, seed)
         train = prepared(rows.select(train_rows), "data.train", data.train, "data.train", train_rows)
         evaluation = prepared(rows.select(eval_rows), "data.eval_split", data.train, "data.train", eval_rows)
     collator = collator_for(data, tokenizer) if task == "causal-lm" else None  # the run's task collator
     return Datasets(train, evaluation, collator)
-
-
-@contextlib.contextmanager
-def named_rows(source: str | None, key: str, data: DataConfig, source_rows: Any = None) -> Iterator[None]:
-    """A :class:`BadRow` raised inside, whose index counts the rows of ``source`` (or ``source_rows``:
-    the row of ``source`` each row read is), as one line naming the row as in its file. A ``source``
-    of None names nothing (rows given in Python are named by their index)."""
-    try:
-        yield
-    except BadRow as bad:
-        if source is None:
-            raise
-        index = bad.index if source_rows is None else int(source_rows[bad.index])
-        raise ConfigError(f"{key}: {_name_row(source, key, index, data)}: {bad.reason}") from None
-
-
-def _name_row(source: str, key: str, index: int, data: DataConfig) -> str:
-    """Row ``index`` (counted from 0) of ``source`` as its user finds it: "FILE line N" / "FILE row N"."""
-    files = source_files(source, key)
-    return row_place(files, index, data.cache_dir) if files else f"row {index} of {source} (counted from 0)"
 
 
 def _reading_error(error: Exception) -> bool:
@@ -205,13 +202,13 @@ def needs_tokenizer(dataset: Any, data: DataConfig, task: str = "causal-lm") -> 
     return data_kind(dataset, data, "train_dataset") != "tokens"
 
 
-def _split(total: int, fraction: float, seed: int) -> tuple[Any, Any]:
-    """The indices of (train, eval) rows of ``total``: a seeded random ``fraction`` held out, at
-    least one each side, each side in the file's order (the sampler shuffles training examples)."""
+def _split(total: int, fraction: float, seed: int, key: str = "data.train") -> tuple[Any, Any]:
+    """The indices of (train, eval) rows of ``total`` (of the data ``key``): a seeded random ``fraction`` held out,
+    at least one each side, each side in the file's order (the sampler shuffles training examples)."""
     import numpy as np
 
     if total < 2:
-        raise ConfigError(f"data.eval_split: data.train has {total} document(s); holding out "
+        raise ConfigError(f"data.eval_split: {key} has {total} document(s); holding out "
                           "eval documents needs at least 2; set data.eval instead")
     count = min(max(1, round(total * fraction)), total - 1)
     order = list(range(total))
@@ -219,3 +216,55 @@ def _split(total: int, fraction: float, seed: int) -> tuple[Any, Any]:
     held_out = np.zeros(total, dtype=bool)
     held_out[order[:count]] = True
     return np.flatnonzero(~held_out), np.flatnonzero(held_out)
+
+
+def _length(dataset: Any, spec: str) -> int:
+    """The rows of what data.train's function ``spec`` returned; one without a length (a stream) refused."""
+    import datasets
+
+    if isinstance(dataset, (datasets.IterableDataset, TorchIterableDataset)) \
+            or not hasattr(dataset, "__len__"):
+        raise ConfigError(f"data.eval_split: holds out rows of a dataset with a length, but data.train's function "
+                          f"{spec!r} returned a {type(dataset).__name__}, which has none; set data.eval instead")
+    return len(dataset)
+
+
+def _subset(dataset: Any, indices: Any) -> Any:
+    """The rows ``indices`` of a datasets.Dataset or a torch Dataset."""
+    if is_datasets_object(dataset):
+        return dataset.select(indices)
+    return Subset(dataset, indices.tolist())
+
+
+def _mixture_examples(data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int,
+                      limits: ModelLimits | None) -> Any:
+    """The examples of ``data.mixture``: each source read, the rows its weight keeps drawn with ``seed``, tokenized
+    with its own format keys (unshaped), then all mixed (:func:`mixed_examples`)."""
+    import datasets
+
+    parts = []
+    for index, source in enumerate(mixture_sources(data)):
+        spec = source.entry.source
+        if is_callable_spec(spec):
+            rows = _call_source(spec, f"{source.key}.source", tokenizer)
+            if not isinstance(rows, datasets.Dataset):
+                raise ConfigError(f"{source.key}.source: {spec!r} returned a {type(rows).__name__}; a mixture samples "
+                                  "and tokenizes rows: return a datasets.Dataset")
+        else:
+            rows = load_source(spec, source.data, source.key, source.entry.split)
+        rows = mixture_rows(source, rows)
+        kept = kept_rows(len(rows), source, index, seed)
+        with named_rows(None if is_callable_spec(spec) else spec, source.key, source.data, kept):
+            examples = prepare(rows.select(kept) if len(kept) < len(rows) else rows, source.data, tokenizer,
+                               source.key, limits=limits, shape=False)
+        log_source(source, len(rows), len(kept), examples)
+        parts.append(examples)
+    return mixed_examples(parts, seed)
+
+
+def _shaped(examples: Any, data: DataConfig, tokenizer: PreTrainedTokenizerBase, key: str) -> Any:
+    """Tokenized examples (of several sources) shaped once, per ``data.packing``."""
+    pipeline = _Pipeline(data, tokenizer, key)
+    shaped = shape_examples(examples, data, key, pipeline)
+    pipeline.report()
+    return shaped

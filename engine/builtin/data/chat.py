@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 from .sources import BadRow, _a, _first_line
@@ -9,15 +10,20 @@ from .sources import BadRow, _a, _first_line
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")  # how transformers and TRL find one in a template
+
 
 def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], key: str = "data.train",
-                index: int = 0) -> tuple[str, list[tuple[int, int]]]:
+                index: int = 0, spans: bool = True) -> tuple[str, list[tuple[int, int]]]:
     """A conversation rendered with the tokenizer's chat template, and the character spans of
-    its assistant turns (each from after the generation prompt to the end of the turn). A row that
-    cannot be rendered is refused as row ``index`` of ``key``.
+    its assistant turns (none unless ``spans``). A row that cannot be rendered is refused as row
+    ``index`` of ``key``.
 
-    A turn's span is found by rendering the conversation up to it with the generation prompt
-    and through it: templates render a conversation's prefix as a prefix of its text.
+    A template that marks what the assistant generates with ``{% generation %}`` blocks gives
+    those blocks (what TRL's assistant_only_loss learns). Otherwise a turn's span runs from after
+    the generation prompt to the end of the turn, found by rendering the conversation up to it
+    with the generation prompt and through it: templates render a conversation's prefix as a
+    prefix of its text.
     """
     messages = _chat_turns(messages, key, index)
 
@@ -29,19 +35,30 @@ def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any
         except Exception as exc:  # a jinja error, raise_exception() in the template, or its own TypeError
             reason = f"{type(exc).__name__}: {_first_line(exc).rstrip('.')}"
             raise BadRow(key, index, f"the chat template raised {reason}; fix the row, or the template "
-                                     "(data.tokenizer's tokenizer_config.json)") from None
+                                     "(data.chat_template, or the tokenizer's own)") from None
 
     text = render(messages, False)
-    spans = []
+    if not spans:
+        return text, []
+    template = tokenizer.get_chat_template()
+    if GENERATION_BLOCK.search(template):
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        # rendered as apply_chat_template renders it (the same text), with the blocks' character spans
+        _, marked = render_jinja_template([messages], chat_template=template, return_assistant_tokens_mask=True,
+                                          **tokenizer.special_tokens_map)
+        return text, [tuple(span) for span in marked[0]]
+    found = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
         start, through = render(messages[:i], True), render(messages[: i + 1], False)
         if not (text.startswith(through) and through.startswith(start)):
             raise BadRow(key, index, "the chat template does not render a conversation's start as the start of its "
-                                     "text, so the assistant tokens cannot be found; set data.train_on_all_tokens")
-        spans.append((len(start), len(through)))
-    return text, spans
+                                     "text, so the assistant tokens cannot be found; set data.train_on_all_tokens, "
+                                     "or use a template that marks them with {% generation %}")
+        found.append((len(start), len(through)))
+    return text, found
 
 
 def _chat_turns(messages: Any, key: str, index: int) -> list[dict[str, Any]]:

@@ -1,4 +1,5 @@
-"""The batch collators: :class:`DataCollator`, and :class:`FlatteningCollator` for document packing."""
+"""The batch collators: :class:`DataCollator`, and :class:`FlatteningCollator` for document packing and
+padding-free batches."""
 
 from __future__ import annotations
 
@@ -87,14 +88,16 @@ class DataCollator:
 
 
 class FlatteningCollator:
-    """Padding-free batches of document-packed rows (as transformers' DataCollatorWithFlattening):
+    """Padding-free batches (as transformers' DataCollatorWithFlattening and TRL's padding_free):
     the rows concatenated into one ``[1, tokens]`` row with ``position_ids`` restarting per
-    document; the label of each document's first token is -100, so no document learns from the
-    one before it. The model's attention separates documents by their position_ids."""
+    document (a document-packed row's own, else each row is one document); the label of each
+    document's first token is -100, so no document learns from the one before it. The model's
+    attention separates documents by their position_ids."""
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         ids = torch.cat([torch.as_tensor(f["input_ids"], dtype=torch.long) for f in features])
-        positions = torch.cat([torch.as_tensor(f["position_ids"], dtype=torch.long) for f in features])
+        positions = torch.cat([torch.as_tensor(f["position_ids"], dtype=torch.long) if "position_ids" in f
+                               else torch.arange(len(f["input_ids"])) for f in features])
         labels = torch.cat([torch.as_tensor(f.get("labels", f["input_ids"]), dtype=torch.long) for f in features])
         labels = labels.masked_fill(positions == 0, IGNORE_INDEX)
         return {"input_ids": ids[None], "labels": labels[None], "position_ids": positions[None]}
@@ -106,10 +109,17 @@ class FlatteningCollator:
 DOCUMENT_PACKING_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 
 
-def enable_document_packing(model: torch.nn.Module) -> None:
-    """Refuse ``data.packing = "document"`` for a model whose attention would mix the documents;
-    else turn its KV cache off (transformers reads packed documents from position_ids only
-    without a cache)."""
+def flattens(data: DataConfig) -> str | None:
+    """The setting that makes batches padding-free (document packing, ``data.padding_free``), or None."""
+    if data.packing in ("document", "bfd", "bfd_split"):
+        return f"data.packing = \"{data.packing}\""
+    return "data.padding_free = true" if data.padding_free else None
+
+
+def enable_document_packing(model: torch.nn.Module, setting: str = "data.packing = \"document\"") -> None:
+    """Refuse padding-free batches (``setting``, see :func:`flattens`) for a model whose attention would
+    mix the documents; else turn its KV cache off (transformers reads packed documents from
+    position_ids only without a cache)."""
     import inspect
 
     config = getattr(model, "config", None)
@@ -117,15 +127,16 @@ def enable_document_packing(model: torch.nn.Module) -> None:
     takes_positions = "position_ids" in inspect.signature(model.forward).parameters
     if not takes_positions or implementation not in DOCUMENT_PACKING_ATTENTION:
         raise ConfigError(
-            f"data.packing = \"document\": the model ({type(model).__name__}, attention "
+            f"{setting}: the model ({type(model).__name__}, attention "
             f"{implementation or 'unknown'}) cannot keep packed documents apart: that needs a transformers model "
             f"taking position_ids with attention {' / '.join(DOCUMENT_PACKING_ATTENTION)}; "
-            "set data.packing = true or false")
+            "set data.packing = true or false"
+            + (" and data.padding_free = false" if "padding_free" in setting else ""))
     config.use_cache = False
 
 
 def collator_for(data: DataConfig, tokenizer: PreTrainedTokenizerBase | None) -> Callable[[list[Any]], Any]:
-    if data.packing == "document":
+    if flattens(data):
         return FlatteningCollator()
     pad_id = getattr(tokenizer, "pad_token_id", None)
     return DataCollator(pad_id if pad_id is not None else 0)

@@ -4,16 +4,18 @@ fingerprinted and cached beside the source's Arrow files, so a second start read
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import ConfigError
 
 from .checks import MAP_BATCH_SIZE, ModelLimits, _learnable, check_token_rows, first_learnt
 from .packing import (
-    _encode_and_pack, _encode_chat, _encode_completion, _encode_text, _pack_concatenated, _pack_documents,
-    _truncate,
+    _encode_and_pack, _encode_chat, _encode_completion, _encode_text, _pack_best_fit, _pack_concatenated,
+    _pack_documents, _truncate,
 )
-from .sources import column_names, data_kind, logger
+from .formats import format_encoder
+from .sources import column_names, data_kind, logger, messages_column
 from .task_rows import _Pipeline, prepare_task_rows
 
 if TYPE_CHECKING:
@@ -22,9 +24,11 @@ if TYPE_CHECKING:
 
 
 def prepare(rows: Any, data: DataConfig, tokenizer: PreTrainedTokenizerBase | None, key: str,
-            task: str = "causal-lm", label2id: dict[str, int] | None = None, limits: ModelLimits | None = None) -> Any:
+            task: str = "causal-lm", label2id: dict[str, int] | None = None, limits: ModelLimits | None = None,
+            *, shape: bool = True) -> Any:
     """Examples for training from a datasets object: tokenized (text, chat or prompt/completion
-    rows) and shaped per ``data.packing``; rows that already hold ``input_ids`` are used as they
+    rows) and shaped per ``data.packing`` (unless not ``shape``: a mixture shapes its sources'
+    examples together, :func:`shape_examples`); rows that already hold ``input_ids`` are used as they
     are, once checked (:func:`check_token_rows`, against the model's ``limits`` when known).
     Other tasks' rows by :func:`prepare_task_rows` (string labels mapped with ``label2id``).
     Steps read from the cache are logged in one line (at debug level for small data). A row that
@@ -45,48 +49,64 @@ def prepare(rows: Any, data: DataConfig, tokenizer: PreTrainedTokenizerBase | No
     if tokenizer is None:
         raise ConfigError(f"{key}: {kind} rows need a tokenizer; pass tokenizer= or set data.tokenizer")
     pipeline = _Pipeline(data, tokenizer, key)
-    examples = _tokenize_and_shape(rows, kind, data, tokenizer, key, pipeline)
+    examples = _tokenize_and_shape(rows, kind, data, tokenizer, key, pipeline, shape)
     pipeline.report()
     return examples
 
 
 def _tokenize_and_shape(rows: Any, kind: str, data: DataConfig, tokenizer: PreTrainedTokenizerBase, key: str,
-                        pipeline: _Pipeline) -> Any:
-    import datasets
-
-    streaming = isinstance(rows, datasets.IterableDataset)
+                        pipeline: _Pipeline, shape: bool = True) -> Any:
     if kind == "text":
         feature = rows.features[data.text_column] if rows.features else None
         if feature is not None and getattr(feature, "dtype", None) not in ("string", "large_string"):
             raise ConfigError(f"data.text_column: {key} column {data.text_column!r} holds {feature}, expected strings")
-        if data.packing is True:
+        if data.packing in (True, "wrapped") and shape:
             return _nonempty(pipeline.map(rows, _encode_and_pack, "tokenize + pack", with_indices=True,
                                           tokenizer=tokenizer, column=data.text_column, eos=_eos_id(tokenizer),
-                                          length=data.max_length, key=key),
+                                          length=data.max_length, key=key, keep_tail=data.packing == "wrapped",
+                                          special_tokens=data.add_special_tokens),
                              data, key)
         encoded = pipeline.map(rows, _encode_text, "tokenize", with_indices=True, tokenizer=tokenizer,
-                               column=data.text_column, eos=_eos_id(tokenizer), key=key)
+                               column=data.text_column, eos=_eos_id(tokenizer), key=key,
+                               special_tokens=data.add_special_tokens)
     else:
         if not getattr(tokenizer, "is_fast", False):
             raise ConfigError(f"{key}: {kind} data needs a fast tokenizer (character offsets find the "
                               "tokens to learn); this one is slow")
         if kind == "chat" and not getattr(tokenizer, "chat_template", None):
-            raise ConfigError(f"{key}: chat data (a 'messages' column) needs a tokenizer with a chat template, "
-                              "and this tokenizer has none; set data.tokenizer to a folder whose "
-                              "tokenizer_config.json has one")
-        if kind == "chat":
+            raise ConfigError(f"{key}: chat data (a {messages_column(data)!r} column) needs a tokenizer with a chat "
+                              "template, and this tokenizer has none; set data.chat_template (e.g. 'chatml', "
+                              "inline Jinja or a file), or data.tokenizer to a folder whose tokenizer has one")
+        step = format_encoder(kind, data, functools.partial(_eos_id, tokenizer))  # a prompt format's rows
+        if step is not None:
+            function, name, settings = step
+            encoded = pipeline.map(rows, function, name, with_indices=True, tokenizer=tokenizer,
+                                   all_tokens=data.train_on_all_tokens, key=key, **settings)
+        elif kind == "chat":
             encoded = pipeline.map(rows, _encode_chat, "render chat and tokenize", with_indices=True,
                                    tokenizer=tokenizer, all_tokens=data.train_on_all_tokens, key=key)
         else:
             encoded = pipeline.map(rows, _encode_completion, "tokenize prompt/completion", with_indices=True,
                                    tokenizer=tokenizer, all_tokens=data.train_on_all_tokens,
-                                   eos=_eos_id(tokenizer), key=key)
+                                   eos=_eos_id(tokenizer), key=key, special_tokens=data.add_special_tokens)
+    return shape_examples(encoded, data, key, pipeline) if shape else encoded
+
+
+def shape_examples(encoded: Any, data: DataConfig, key: str, pipeline: _Pipeline) -> Any:
+    """Tokenized examples shaped per ``data.packing``: packed, or cut to (or dropped beyond) ``data.max_length``;
+    those left with no token to learn dropped."""
+    import datasets
+
+    streaming = isinstance(encoded, datasets.IterableDataset)
     length = data.max_length
     # text rows learn every token; the answers of chat and prompt/completion rows may be cut away
     why = _answers_cut(data, length)
-    if data.packing is True:
-        return _learnable(_nonempty(pipeline.map(encoded, _pack_concatenated, "pack", arrow=True, length=length),
-                                    data, key), key, why)
+    if data.packing in (True, "wrapped"):
+        return _learnable(_nonempty(pipeline.map(encoded, _pack_concatenated, "pack", arrow=True, length=length,
+                                                 keep_tail=data.packing == "wrapped"), data, key), key, why)
+    if data.packing == "bfd_split":  # nothing cut away: an example longer than max_length packed in pieces
+        return pipeline.map(_learnable(encoded, key, why), _pack_best_fit, "pack documents best-fit", length=length,
+                            split=True)
     if not streaming:
         encoded = _fit(encoded, data, key, pipeline, why)
     elif data.truncation == "drop":
@@ -95,6 +115,8 @@ def _tokenize_and_shape(rows: Any, kind: str, data: DataConfig, tokenizer: PreTr
         encoded = _learnable(pipeline.map(encoded, _truncate, "truncate", length=length), key, why)
     if data.packing == "document":
         return pipeline.map(encoded, _pack_documents, "pack documents", length=length)
+    if data.packing == "bfd":
+        return pipeline.map(encoded, _pack_best_fit, "pack documents best-fit", length=length)
     return encoded
 
 
@@ -113,7 +135,7 @@ def _answers_cut(data: DataConfig, length: int, encoded: Any = None) -> str:
             counts = (f" in {len(cut)} of {len(first)} examples (their first answer token is at position {where}; "
                       f"data.max_length = {np.max(first) + 1} keeps one in every example)")
     return (f"data.max_length = {length} cuts the answers away{counts}; raise it" +
-            ("" if data.packing is True or data.truncation == "drop" else
+            ("" if data.packing in (True, "wrapped") or data.truncation == "drop" else
              ", or set data.truncation = \"drop\" to leave out examples longer than it"))
 
 

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import dataclasses
 import functools
 import glob
 import itertools
 import json
 import logging
 import os
-import random
 import re
 import sysconfig
 from pathlib import Path
@@ -344,6 +342,26 @@ def _load_saved(path: Path, data: DataConfig, key: str, split: str) -> Any:
     return saved.to_iterable_dataset() if data.streaming else saved
 
 
+@contextlib.contextmanager
+def named_rows(source: str | None, key: str, data: DataConfig, source_rows: Any = None) -> Iterator[None]:
+    """A :class:`BadRow` raised inside, whose index counts the rows of ``source`` (or ``source_rows``:
+    the row of ``source`` each row read is), as one line naming the row as in its file. A ``source``
+    of None names no file (rows given in Python are named by their index)."""
+    try:
+        yield
+    except BadRow as bad:
+        index = bad.index if source_rows is None else int(source_rows[bad.index])
+        if source is None:
+            raise BadRow(bad.key, index, bad.reason) from None
+        raise ConfigError(f"{key}: {_name_row(source, key, index, data)}: {bad.reason}") from None
+
+
+def _name_row(source: str, key: str, index: int, data: DataConfig) -> str:
+    """Row ``index`` (counted from 0) of ``source`` as its user finds it: "FILE line N" / "FILE row N"."""
+    files = source_files(source, key)
+    return row_place(files, index, data.cache_dir) if files else f"row {index} of {source} (counted from 0)"
+
+
 def column_names(rows: Any) -> list[str]:
     """The columns of a datasets object; a streaming one without known features is peeked at."""
     names = rows.column_names
@@ -353,13 +371,40 @@ def column_names(rows: Any) -> list[str]:
     return list(names)
 
 
+# data.format -> the kind of rows it reads (prepare.py encodes each kind; formats.py renders the prompt formats)
+FORMAT_KINDS = {"text": "text", "chat": "chat", "sharegpt": "chat", "prompt_completion": "completion",
+                "alpaca": "alpaca", "input_output": "input_output"}
+
+
+def messages_column(data: DataConfig) -> str:
+    """The column of conversations: ``data.messages_column``, else 'conversations' for sharegpt, 'messages'."""
+    return data.messages_column or ("conversations" if data.format == "sharegpt" else "messages")
+
+
+def format_columns(data: DataConfig) -> list[str]:
+    """The columns the rows of ``data.format`` (not 'auto') must have."""
+    return {"text": [data.text_column], "chat": [messages_column(data)], "sharegpt": [messages_column(data)],
+            "prompt_completion": ["prompt", "completion"], "alpaca": ["instruction", "output"],
+            "input_output": ["segments"]}[data.format]
+
+
 def data_kind(rows: Any, data: DataConfig, key: str) -> str:
     """What the rows hold: "tokens" (input_ids), "chat" (messages), "completion" (prompt and
-    completion) or "text" (``data.text_column``); a ConfigError listing the columns otherwise."""
+    completion) or "text" (``data.text_column``); a ConfigError listing the columns otherwise.
+    A ``data.format`` other than 'auto' says it (:data:`FORMAT_KINDS`), once its columns are found; rows of
+    token ids are examples already, whatever the format."""
     names = column_names(rows)
     if "input_ids" in names:
         return "tokens"
-    if "messages" in names:
+    if data.format != "auto":
+        missing = [name for name in format_columns(data) if name not in names]
+        if missing:
+            fix = {"text": "data.text_column", "chat": "data.messages_column", "sharegpt": "data.messages_column"}
+            raise ConfigError(f"data.format = {data.format!r} needs the column(s) {', '.join(missing)}, which {key} "
+                              f"lacks (its columns: {', '.join(names) or 'none'}); set data.format to the rows' "
+                              f"format (or 'auto'){' or ' + fix[data.format] if data.format in fix else ''}")
+        return FORMAT_KINDS[data.format]
+    if messages_column(data) in names:
         return "chat"
     if "prompt" in names and "completion" in names:
         return "completion"

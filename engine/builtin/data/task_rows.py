@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 EXAMPLE_COLUMNS = ("input_ids", "labels", "position_ids")  # what the tokenizing steps write
-PIPELINE_VERSION = 2  # part of every cache fingerprint: bump when a map step's output changes
+PIPELINE_VERSION = 3  # part of every cache fingerprint: bump when a map step's output changes
 DEFAULT_LABEL_COLUMNS = {"sequence-classification": ("label", "labels"),
                          "token-classification": ("tags", "ner_tags", "labels")}
 

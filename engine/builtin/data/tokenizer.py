@@ -8,8 +8,11 @@ from typing import TYPE_CHECKING, Any, Iterable
 from engine.errors import ConfigError
 from engine.util import is_callable_spec
 
-from .sources import data_kind, load_source, logger, text_batches
+from .formats import row_texts
+from .mixture import mixture_texts
+from .sources import data_kind, load_source, logger
 from .task_rows import check_columns, tokenizer_texts
+from .templates import TOKENIZER_DEFAULT, TURN_ENDS, resolve_chat_template
 
 if TYPE_CHECKING:
     from engine.config import DataConfig  # assembled from the builtins' options: not at import
@@ -24,6 +27,7 @@ MIN_VOCAB_SIZE = 256 + 2
 MODEL_MAX_LENGTH = 1 << 40
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 STREAMING_TOKENIZER_ROWS = 100_000  # data.streaming: documents a trained tokenizer learns from
+SPECIAL_TOKEN_KEYS = ("eos_token", "pad_token", "bos_token")  # [data] keys naming the tokenizer's special tokens
 
 
 def train_tokenizer(texts: Iterable[str] | Iterable[list[str]], vocab_size: int) -> PreTrainedTokenizerFast:
@@ -112,6 +116,8 @@ def build_tokenizer(data: DataConfig, model_source: str, rows: Any = None,
         check_tokenizer_source(data, model_source)
         return load_tokenizer(model_source, "train.model")
     key = "data.train" if rows is None else "train_dataset"
+    if rows is None and data.mixture is not None:  # learnt from every source's text
+        return train_tokenizer(mixture_texts(data), data.tokenizer_vocab_size)
     if rows is None:
         if is_callable_spec(data.train):
             raise ConfigError(f"data.tokenizer = {data.tokenizer!r} trains a tokenizer, which needs text "
@@ -123,10 +129,90 @@ def build_tokenizer(data: DataConfig, model_source: str, rows: Any = None,
         if data.streaming:
             rows = rows.take(STREAMING_TOKENIZER_ROWS)
         return train_tokenizer(tokenizer_texts(rows, task, data), data.tokenizer_vocab_size)
-    if data_kind(rows, data, key) != "text":
-        raise ConfigError(f"data.tokenizer = {data.tokenizer!r} trains a tokenizer on the text column "
-                          f"{data.text_column!r}, which {key} lacks; set data.tokenizer to a tokenizer folder")
+    kind = data_kind(rows, data, key)
     if data.streaming:  # a corpus larger than memory: its start is sample enough
         rows = rows.take(STREAMING_TOKENIZER_ROWS)
         logger.info("data.tokenizer: training on the first %d documents of the stream", STREAMING_TOKENIZER_ROWS)
-    return train_tokenizer(text_batches(rows, data.text_column, key=key), data.tokenizer_vocab_size)
+    return train_tokenizer(row_texts(rows, kind, data, key), data.tokenizer_vocab_size)
+
+
+def check_token_options(data: DataConfig) -> None:
+    """The tokenizer's [data] keys, checked at configure time (the template read and parsed)."""
+    if data.chat_template is not None:
+        resolve_chat_template(data.chat_template)
+    for index, token in enumerate(data.added_tokens):
+        if not token:
+            raise ConfigError(f"data.added_tokens[{index}]: an empty string is not a token; remove it")
+
+
+def apply_token_options(tokenizer: PreTrainedTokenizerBase, data: DataConfig) -> PreTrainedTokenizerBase:
+    """``tokenizer`` with the [data] keys set on it (so saved with it into checkpoints and the output):
+    ``added_tokens`` and new eos/pad/bos tokens added to its vocabulary as special tokens, and the chat template."""
+    before = len(tokenizer)
+    if data.added_tokens:
+        from tokenizers import AddedToken
+
+        tokenizer.add_tokens([AddedToken(token, special=True, normalized=False) for token in data.added_tokens],
+                             special_tokens=True)
+    for name in SPECIAL_TOKEN_KEYS:
+        token = getattr(data, name)
+        if token is not None and getattr(tokenizer, name) != token:
+            tokenizer.add_special_tokens({name: token})  # added to the vocabulary when new
+    if len(tokenizer) > before:
+        logger.info("data: %d new tokens added to the tokenizer (now %d)", len(tokenizer) - before, len(tokenizer))
+    if data.chat_template is None:
+        return tokenizer
+    template = resolve_chat_template(data.chat_template)
+    if template is None and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"data.chat_template = {TOKENIZER_DEFAULT!r}: the tokenizer has no chat template; name one "
+                          f"(e.g. 'chatml'), give it inline or as a file")
+    if template is not None:
+        tokenizer.chat_template = template
+    turn_end = TURN_ENDS.get(data.chat_template)
+    if turn_end is not None and data.eos_token is None and tokenizer.eos_token != turn_end:
+        logger.warning("data.chat_template = %r ends each turn with %s but the tokenizer's eos is %s, at which "
+                       "generation stops; set data.eos_token = %r (as Axolotl's and TRL's %s recipes do)",
+                       data.chat_template, turn_end, tokenizer.eos_token, turn_end, data.chat_template)
+    return tokenizer
+
+
+def named_token_ids(tokenizer: PreTrainedTokenizerBase, data: DataConfig) -> list[int]:
+    """The ids of the tokens the [data] keys name (added_tokens, eos/pad/bos), in the order named, once each."""
+    names = [*data.added_tokens, *(getattr(data, name) for name in SPECIAL_TOKEN_KEYS)]
+    ids = tokenizer.convert_tokens_to_ids([name for name in names if name is not None])
+    return list(dict.fromkeys(ids))
+
+
+def fit_model_to_tokens(model: Any, tokenizer: PreTrainedTokenizerBase, data: DataConfig) -> None:
+    """The model after the [data] keys changed its tokenizer: embeddings grown to hold the tokens they added
+    (new rows mean-initialised, transformers' default), and the model's eos/pad/bos ids those of the keys
+    (the generation config stops at the new eos too, as TRL's SFTTrainer does)."""
+    config = getattr(model, "config", None)
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(embeddings, "num_embeddings", None)
+    if rows is not None and len(tokenizer) > rows:
+        named = set(named_token_ids(tokenizer, data))
+        if all(index in named for index in range(rows, len(tokenizer))):  # else on_build_end refuses the mismatch
+            from transformers.utils import logging as hf_logging
+
+            verbosity = hf_logging.get_verbosity()
+            hf_logging.set_verbosity_error()  # its notice of the mean initialisation: the line below says it
+            try:
+                model.resize_token_embeddings(len(tokenizer))
+            finally:
+                hf_logging.set_verbosity(verbosity)
+            logger.info("data: the model's embeddings grew from %d to %d rows for the new tokens (mean-initialised)",
+                        rows, len(tokenizer))
+    if config is None:
+        return
+    for name in SPECIAL_TOKEN_KEYS:
+        if getattr(data, name) is not None:
+            setattr(config, f"{name}_id", getattr(tokenizer, f"{name}_id"))
+    generation = getattr(model, "generation_config", None)
+    if data.eos_token is not None and generation is not None:
+        stops = generation.eos_token_id
+        stops = [] if stops is None else [stops] if isinstance(stops, int) else list(stops)
+        if tokenizer.eos_token_id not in stops:
+            generation.eos_token_id = [tokenizer.eos_token_id, *stops]
+    if data.pad_token is not None and generation is not None:
+        generation.pad_token_id = tokenizer.pad_token_id

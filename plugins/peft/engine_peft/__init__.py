@@ -103,12 +103,17 @@ def is_peft_model(model: Any) -> bool:
     return isinstance(model, PeftModel)
 
 
-def peft_config(options: PeftOptions) -> Any:
-    """The peft config the options describe (peft's own validation as a ConfigError naming the section)."""
+def peft_config(options: PeftOptions, token_rows: dict[str, list[int]] | None = None) -> Any:
+    """The peft config the options describe (peft's own validation as a ConfigError naming the section);
+    ``token_rows`` (embedding module path -> new token ids, :func:`new_token_rows`) train as peft's trainable
+    tokens (IA3 has none: those modules train in full, as modules_to_save)."""
     import peft
 
+    saved = list(options.modules_to_save)
+    if token_rows and options.method == "ia3":
+        saved += [path.rsplit(".", 1)[-1] for path in token_rows]
     common = {"target_modules": options.target_modules, "exclude_modules": options.exclude_modules,
-              "modules_to_save": options.modules_to_save or None, "task_type": "CAUSAL_LM"}
+              "modules_to_save": saved or None, "task_type": "CAUSAL_LM"}
     try:
         if options.method == "ia3":
             return peft.IA3Config(**common, feedforward_modules=options.feedforward_modules)
@@ -116,7 +121,8 @@ def peft_config(options: PeftOptions) -> Any:
                                lora_alpha=options.lora_alpha,
                                lora_dropout=options.lora_dropout, bias=options.bias, use_rslora=options.use_rslora,
                                use_dora=options.method == "dora" or bool(options.use_dora),
-                               init_lora_weights=options.init_lora_weights)
+                               init_lora_weights=options.init_lora_weights,
+                               trainable_token_indices=token_rows or None)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"peft: peft refuses this {options.method} config: {exc}") from None
 
@@ -126,12 +132,32 @@ def _changed_options(options: PeftOptions, names: tuple[str, ...]) -> list[str]:
     return [name for name in names if getattr(options, name) != getattr(defaults, name)]
 
 
-def wrap(model: torch.nn.Module, options: PeftOptions) -> Any:
+def new_token_rows(run: Any, model: torch.nn.Module) -> dict[str, list[int]]:
+    """The embedding rows of the special tokens the [data] keys add (data.added_tokens, and data.eos_token /
+    pad_token / bos_token when outside the tokenizer's base vocabulary), which the frozen base cannot learn:
+    {module path: token ids} for the input embeddings and, unless tied to them (peft then follows the tie),
+    the output embeddings. Modules in peft.modules_to_save train in full already."""
+    data, tokenizer = run.config.data, run.tokenizer
+    named = [*getattr(data, "added_tokens", []),
+             *(getattr(data, key, None) for key in ("eos_token", "pad_token", "bos_token"))]
+    if tokenizer is None or not hasattr(model, "get_input_embeddings"):
+        return {}
+    ids = [i for i in dict.fromkeys(tokenizer.convert_tokens_to_ids([t for t in named if t]))
+           if i is not None and i >= tokenizer.vocab_size]
+    if not ids:
+        return {}
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    modules = [inputs] if outputs is None or outputs.weight is inputs.weight else [inputs, outputs]
+    paths = [path for module in modules for path, each in model.named_modules() if each is module]
+    return {path: ids for path in paths if not _saved(_options(run).modules_to_save, path)}
+
+
+def wrap(model: torch.nn.Module, options: PeftOptions, token_rows: dict[str, list[int]] | None = None) -> Any:
     """``get_peft_model``, refusing options that name modules or layers the model does not have (peft
-    drops those silently) and target modules that end up adapting nothing."""
+    drops those silently) and target modules that end up adapting nothing; ``token_rows`` as :func:`peft_config`."""
     import peft
 
-    config = peft_config(options)
+    config = peft_config(options, token_rows)
     _check_module_names(model, options)
     try:
         with warnings.catch_warnings():  # peft asks transformers' deprecated is_gradient_checkpointing
@@ -240,6 +266,9 @@ def describe(model: Any) -> list[str]:
     shown = ", ".join(matched[:8]) + (f", ... ({len(matched)} in all)" if len(matched) > 8 else "")
     kind = config.peft_type.value + (" (DoRA)" if getattr(config, "use_dora", False) else "")
     in_full = f"; trained in full: {', '.join(sorted(config.modules_to_save))}" if config.modules_to_save else ""
+    rows = getattr(config, "trainable_token_indices", None) or {}
+    if rows:
+        in_full += f"; new token rows trained: {len(next(iter(rows.values())))} in {', '.join(rows)}"
     return [f"{kind} adapter on {len(matched)} modules: {shown}{in_full}",
             f"trainable parameters {trainable:,} of {total:,} ({100 * trainable / total:.4f} %)"]
 
@@ -386,7 +415,7 @@ def patch_model(run, model):
         if options.quantize:
             model = peft.prepare_model_for_kbit_training(
                 model, use_gradient_checkpointing=bool(run.config.train.activation_checkpointing))
-        model = wrap(model, options)
+        model = wrap(model, options, new_token_rows(run, model))
     run.model = model
     source = run.weights.source
     run.weights.fingerprint = base_fingerprint(model, str(source) if source else run.config.train.model)

@@ -78,7 +78,12 @@ class AdapterWeights(ModelWeights):
     def select(self, run, model_state):
         from peft import get_peft_model_state_dict
 
-        return get_peft_model_state_dict(run.model, state_dict=model_state)
+        # the rows of new tokens are in the adapter (trainable tokens, or the embeddings trained in full as
+        # modules_to_save): not the whole resized embeddings again, which peft's "auto" adds
+        embeddings = (run.model.get_input_embeddings(), run.model.get_output_embeddings())
+        held = any(hasattr(module, "token_adapter") or hasattr(module, "modules_to_save") for module in embeddings)
+        return get_peft_model_state_dict(run.model, state_dict=model_state,
+                                         save_embedding_layers=False if held else "auto")
 
     def files(self, folder):
         return (ADAPTER_WEIGHTS, ADAPTER_CONFIG, FINGERPRINT)
