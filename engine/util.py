@@ -142,9 +142,9 @@ def decode_utf8(data: bytes, what: str, fix: str = "save it as UTF-8") -> str:
         raise ConfigError(f"{what} is not UTF-8 text (byte 0x{data[exc.start]:02x} on line {line}); {fix}") from None
 
 
-# a credential by its name: the last word is token, password, secret, api_key, ... (not tokens_seen, pad_token_id)
-_SECRET_NAME = re.compile(r"(?:^|[_\-.])(?:token|password|passwd|secret|credentials?|(?:api|access|secret|private)"
-                          r"[_\-]?key)$", re.IGNORECASE)
+# a credential by its name: the last word is token, password, ... (not tokens_seen, pad_token_id, a special eos_token)
+_SECRET_NAME = re.compile(r"(?<!eos|bos|pad|unk|sep|cls)(?<!mask)(?<!concat)(?:^|[_\-.])(?:token|password|passwd|"
+                          r"secret|credentials?|(?:api|access|secret|private)[_\-]?key)$", re.IGNORECASE)
 
 
 def is_secret_name(name: Any) -> bool:

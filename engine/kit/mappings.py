@@ -79,8 +79,9 @@ class Answer:
         """One line: the answer, for reports, error messages and the docs."""
         if self.kind == ACCEPTED:
             train_keys = [key.split(".", 1)[1] for key in self.keys if key.startswith("train.")]
-            head = "accepted as " + ", ".join(f"[train] {key}" for key in train_keys)
-            if name not in train_keys:
+            head = "accepted as " + ", ".join(f"[train] {key}" for key in train_keys) if train_keys else \
+                "accepted as " + ", ".join(f"[{key.split('.', 1)[0]}] {key.split('.', 1)[1]}" for key in self.keys)
+            if name not in train_keys and name not in (key.split(".", 1)[1] for key in self.keys):
                 head += " (the engine's name)"
         elif self.kind == PLUGIN:
             installs = [f"plugin {p}" + (f" ({FIRST_PARTY[p].install})" if p in FIRST_PARTY else "")

@@ -1,14 +1,17 @@
-"""``engine migrate``: a run file from ``transformers.TrainingArguments``.
+"""``engine migrate``: a run file from ``transformers.TrainingArguments``, TRL's ``SFTConfig`` /
+``ModelConfig`` / command line, an alignment-handbook recipe or an Axolotl config (docs/migrate-sft.md).
 
 ::
 
     engine migrate args.json -o run.toml          # args.json: TrainingArguments.to_json_string()
+    engine migrate recipe.yaml -o run.toml        # a handbook recipe, an SFTConfig dump, an Axolotl config
 
     import engine
     migration = engine.migrate(training_args)     # a TrainingArguments, or its to_dict()
     print(migration.toml(), migration.report())
 
-Every field is converted through its answer in :mod:`engine.builtin.trainer_args`. A field at
+Every field is converted through its answer in :mod:`engine.builtin.trainer_args` (TRL's fields:
+:mod:`engine.tooling.sft_args`; Axolotl's keys: :mod:`engine.tooling.axolotl`). A field at
 Trainer's default is written only where the engine's default differs (so the run behaves as
 the Trainer run did); a field set away from Trainer's default that has no counterpart is
 listed with the reason. Each value written is checked against its section's schema, and the
@@ -26,13 +29,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.builtin.trainer_args import ENABLED_BY, FIELDS, SEQ2SEQ_FIELDS, STRATEGIES, answer_for
-from engine.config import SECRET_MASK, TrainConfig, check_nesting, check_value, toml_key, toml_value
+from engine.builtin.trainer_args import ENABLED_BY, SEQ2SEQ_FIELDS, STRATEGIES, answer_for
+from engine.config import SECRET_MASK, TrainConfig, check_nesting, check_value, core_config, toml_key, toml_value
 from engine.errors import ConfigError, EngineError
 from engine.kit.mappings import ACCEPTED, BUILTIN, PLUGIN, Conversion, load_json, one_line, read_small_text, show
+from engine.tooling.axolotl import AXOLOTL_DEFAULTS, AXOLOTL_FIELDS
+from engine.tooling.sft_args import PEFT_ENABLED_BY, SFT_ANSWERS, is_sft, parse_command_line, sft_defaults
 from engine.util import is_secret_name, mask_secrets
 
 MAX_ARGUMENTS_BYTES = 1 << 20
+# Axolotl's keys that no TRL or Trainer source has: a config holding one is read as Axolotl's
+AXOLOTL_KEYS = ("base_model", "micro_batch_size", "sequence_len", "num_epochs", "sample_packing", "val_set_size",
+                "adapter", "train_on_inputs", "lr_scheduler", "special_tokens")
 # what TrainingArguments does not hold: left as commented keys for the user to fill in
 PLACEHOLDERS = {
     "train.model": ("path/to/model", "TrainingArguments names no model: a local HF folder, a config .json or "
@@ -57,6 +65,7 @@ class Migration:
     idle: list[str] = field(default_factory=list)  # no counterpart, at Trainer's default
     problems: list[str] = field(default_factory=list)  # what `engine plan` would refuse
     notes: list[str] = field(default_factory=list)
+    kind: str = "transformers TrainingArguments"  # what the source is: named in the file's header and the report
 
     @property
     def mapping(self) -> dict[str, Any]:
@@ -66,8 +75,8 @@ class Migration:
                                                   if table or name in ("train", "data")}}
 
     def toml(self) -> str:
-        lines = [f"# Run file converted by `engine migrate` from {one_line(self.source)} (transformers "
-                 "TrainingArguments).", "# Fill in the commented keys below; `engine plan` shows the whole run."]
+        lines = [f"# Run file converted by `engine migrate` from {one_line(self.source)} ({self.kind}).",
+                 "# Fill in the commented keys below; `engine plan` shows the whole run."]
         if self.lost:
             lines.append("# Not converted (set away from Trainer's default):")
             lines += [f"#   {one_line(f'{what}: {why}')}" for what, why in self.lost]
@@ -84,10 +93,12 @@ class Migration:
     def report(self) -> str:
         import transformers
 
-        lines = [f"engine migrate: {self.source} -> plugins = {toml_value(self.plugins)}"]
+        kind = "" if self.kind == "transformers TrainingArguments" else f" ({self.kind})"
+        lines = [f"engine migrate: {self.source}{kind} -> plugins = {toml_value(self.plugins)}"]
         groups = [
             ("mapped to plugins, renamed or converted:", self.mapped),
-            ("written with Trainer's default, which differs from the engine's:", self.trainer_defaults),
+            ("written with the source's default (Trainer's, TRL's or Axolotl's), which differs from the engine's:",
+             self.trainer_defaults),
             ("not converted (set away from Trainer's default):", [f"{what}: {why}" for what, why in self.lost]),
             ("to fill in:", [f"{dotted}: {what}" for dotted, (_, what) in self.placeholders.items()]),
             ("before `engine plan` accepts the run:", self.problems),
@@ -97,7 +108,8 @@ class Migration:
             if items:
                 lines += [title, *(f"  {item}" for item in items)]
         if self.unknown:
-            lines.append(f"unknown (not fields of transformers {transformers.__version__}'s TrainingArguments), "
+            known = "TrainingArguments" if self.kind.endswith("TrainingArguments") else self.kind
+            lines.append(f"unknown (not fields of transformers {transformers.__version__}'s {known}), "
                          f"not converted: {', '.join(self.unknown)}")
         if self.idle:
             lines.append(f"no counterpart, at Trainer's default (docs/trainer-arguments.md): {', '.join(self.idle)}")
@@ -105,16 +117,40 @@ class Migration:
 
 
 def read_arguments(path: str | Path) -> dict[str, Any]:
-    """The JSON object in ``path`` (``TrainingArguments.to_json_string()``); anything else is a ConfigError."""
-    text = read_small_text(path, str(path), "name the JSON file TrainingArguments.to_json_file() wrote",
-                           MAX_ARGUMENTS_BYTES)
-    try:
-        data = load_json(text, str(path))
-    except ConfigError as exc:
-        raise ConfigError(f"{exc}; expected TrainingArguments.to_json_string() output") from None
+    """The settings in ``path``: a JSON object (``TrainingArguments.to_json_string()``, an SFTConfig or
+    ModelConfig dump), a YAML mapping (an alignment-handbook recipe, an Axolotl config) or, in a ``.txt`` or
+    ``.sh`` file, TRL's command-line arguments; anything else is a ConfigError."""
+    text = read_small_text(path, str(path), "name the JSON file TrainingArguments.to_json_file() wrote, a YAML "
+                           "recipe or a .txt of TRL's command-line arguments", MAX_ARGUMENTS_BYTES)
+    suffix = Path(path).suffix.lower()
+    if suffix in (".txt", ".sh"):
+        return parse_command_line(text)
+    if suffix in (".yaml", ".yml"):
+        data = _load_yaml(text, str(path))
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path} holds a YAML {type(data).__name__}, expected a mapping of settings (an "
+                              "alignment-handbook recipe, an SFTConfig dump or an Axolotl config)")
+    else:
+        try:
+            data = load_json(text, str(path))
+        except ConfigError as exc:
+            raise ConfigError(f"{exc}; expected TrainingArguments.to_json_string() output") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path} holds a JSON {type(data).__name__}, expected an object of TrainingArguments "
                           "fields (TrainingArguments.to_json_string())")
+    return data
+
+
+def _load_yaml(text: str, what: str) -> Any:
+    """``text`` parsed as YAML (safe types only), nested no deeper than the engine walks."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{what} is not YAML: {one_line(str(exc).splitlines()[0])}") from None
+    if data is not None:
+        check_nesting(data, what)
     return data
 
 
@@ -128,26 +164,45 @@ def trainer_defaults() -> dict[str, Any]:
     return defaults
 
 
-def migrate(arguments: Any, source: str | None = None) -> Migration:
-    """Convert ``arguments`` (a ``TrainingArguments``, or its ``to_dict()`` / JSON dump as a dict)."""
+def migrate(arguments: Any, source: str | None = None, kind: str | None = None) -> Migration:
+    """Convert ``arguments``: a ``TrainingArguments`` or ``SFTConfig`` (or ``ModelConfig``) object, a dict of
+    their fields (a dump, an alignment-handbook recipe, TRL's parsed command line), a list of TRL's
+    ``--key value`` strings, or an Axolotl config (found by its keys, or ``kind = "axolotl"``)."""
     if hasattr(arguments, "to_json_string"):
         source = source or type(arguments).__name__
         arguments = json.loads(arguments.to_json_string())
+    elif dataclasses.is_dataclass(arguments) and not isinstance(arguments, type):  # trl's ModelConfig
+        source = source or type(arguments).__name__
+        arguments = json.loads(json.dumps(dataclasses.asdict(arguments), default=str))
+    elif isinstance(arguments, list) and all(isinstance(item, str) for item in arguments):
+        source = source or "TRL's command line"
+        arguments = parse_command_line(arguments)
     if not isinstance(arguments, dict):
         raise ConfigError(f"engine migrate takes a TrainingArguments or a dict of its fields, got "
                           f"{type(arguments).__name__}")
     check_nesting(arguments, source or "the TrainingArguments")
-    defaults = trainer_defaults()
+    if kind not in (None, "axolotl"):
+        raise ConfigError(f"--from {one_line(kind)}: expected 'axolotl' (other sources are recognised by their keys)")
+    if kind == "axolotl" or is_axolotl(arguments):
+        kind, lookup = "Axolotl config", AXOLOTL_FIELDS.get
+        defaults = AXOLOTL_DEFAULTS  # a key it has no default for: its answer's legacy_defaults (null)
+        arguments = {**AXOLOTL_DEFAULTS, **arguments}
+    elif is_sft(arguments):  # what a recipe leaves out is TRL's default, which the run must reproduce
+        kind, lookup = "TRL SFTConfig, ModelConfig and ScriptArguments", lambda name: SFT_ANSWERS.get(name) or \
+            answer_for(name)
+        defaults = {**trainer_defaults(), **sft_defaults()}
+        arguments = {**{k: v for k, v in defaults.items() if k not in SEQ2SEQ_FIELDS}, **arguments}
+    else:
+        kind, lookup, defaults = "transformers TrainingArguments", answer_for, trainer_defaults()
     shown = mask_secrets(arguments, SECRET_MASK)  # all that converters see: no credential reaches a file or a log
     conversion = Conversion(shown)
     unknown, idle = [], []
     for name, value in arguments.items():
-        answer = answer_for(name)
+        answer = lookup(name)
         if answer is None:
             unknown.append(name)
             continue
-        at_default = value == defaults.get(name, value) if name in FIELDS or name in SEQ2SEQ_FIELDS \
-            else value in answer.legacy_defaults
+        at_default = value in answer.legacy_defaults if name not in defaults else value == defaults[name]
         if answer.kind in (ACCEPTED, PLUGIN):
             conversion.convert(name, shown[name], answer, at_default)
         elif not at_default:
@@ -155,8 +210,13 @@ def migrate(arguments: Any, source: str | None = None) -> Migration:
         elif answer.kind != BUILTIN:
             idle.append(name)
     migration = _finish(conversion, source or "TrainingArguments")
-    migration.unknown, migration.idle = unknown, idle
+    migration.unknown, migration.idle, migration.kind = unknown, idle, kind
     return migration
+
+
+def is_axolotl(arguments: dict[str, Any]) -> bool:
+    """An Axolotl config: it names its model ``base_model``, or holds two of Axolotl's own keys."""
+    return "base_model" in arguments or sum(key in arguments for key in AXOLOTL_KEYS) >= 2
 
 
 def _finish(c: Conversion, source: str) -> Migration:
@@ -168,13 +228,17 @@ def _finish(c: Conversion, source: str) -> Migration:
         if not any(s.field == name for s in kept.values()) and not any(what.startswith(f"{name} = ")
                                                                        for what, _ in c.lost):
             plugins = sorted({d.split(".", 1)[0] for d, s in c.settings.items() if s.field == name})
-            when = "; ".join(f"{p}: {ENABLED_BY[p]}" for p in plugins)
+            when = "; ".join(f"{p}: {(ENABLED_BY | PEFT_ENABLED_BY)[p]}" for p in plugins)
             c.lose(f"{name} = {show(c.arguments[name])}",
                    f"used by plugin {' or '.join(plugins)} only, which no argument enables (Trainer: {when})")
 
-    placeholders = {**PLACEHOLDERS, **{k: v for k, v in c.placeholders.items() if k not in kept}}
+    placeholders = {k: v for k, v in {**PLACEHOLDERS, **c.placeholders}.items() if k not in kept}
+    for given, filled in (("data.mixture", "data.train"), ("data.eval", "data.eval_split")):  # a recipe's data
+        if given in kept:
+            placeholders.pop(filled, None)
     migration = Migration(source, c.plugins, {section: {} for section in sections}, placeholders, lost=c.lost)
     schemas, registries = _load(c.plugins, migration.problems)
+    schemas["data"] = core_config("DataConfig")
     for dotted, setting in kept.items():
         section, key = dotted.split(".", 1)
         schema = schemas.get(section)

@@ -1,0 +1,401 @@
+"""TRL's ``SFTConfig`` and ``ModelConfig`` fields, TRL's ``ScriptArguments`` and the alignment handbook's
+recipe keys, answered as :mod:`engine.builtin.trainer_args` answers ``TrainingArguments``.
+
+``SFTConfig`` is a ``TrainingArguments`` subclass: its ``TrainingArguments`` fields keep that table's
+answers (``bf16`` excepted: SFTConfig's default ``None`` means bf16 unless fp16), and :data:`SFT_FIELDS`
+answers the fields it adds. A handbook recipe mixes the three dataclasses in one YAML (plus its
+``dataset_mixer`` / ``dataset_mixture``): :func:`sft_defaults` fills in what a recipe leaves out with
+TRL's defaults, so that the run file reproduces SFTTrainer's behaviour where the engine's defaults
+differ (``max_length`` 1024, packing off, the loss over the whole conversation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+from typing import Any
+
+from engine.errors import ConfigError
+from engine.kit.mappings import ACCEPTED, BUILTIN, PLUGIN, REFUSED, Answer, Conversion, accepted, builtin, flag, refused
+
+PEFT_ENABLED_BY = {"peft": "use_peft = true (ModelConfig), or Axolotl's adapter: lora | qlora"}
+# the data's kind, where the source says it: a handbook recipe trains on its datasets' 'messages' column
+CHAT_KINDS = ("dataset_mixer", "dataset_mixture", "chat_template")
+
+
+def data_key(key: str, note: str = "", convert: Any = None, legacy_defaults: tuple[Any, ...] = ()) -> Answer:
+    """A ``[data]`` key (``key`` without its section)."""
+    return Answer(ACCEPTED, (f"data.{key}",), note=note, convert=convert, legacy_defaults=legacy_defaults)
+
+
+def peft_key(*keys: str, note: str = "", convert: Any = None) -> Answer:
+    return Answer(PLUGIN, tuple(f"peft.{key}" for key in keys), ("peft",), note, convert)
+
+
+# ---------------------------------------------------------------------------- converters
+
+
+def _max_length(c: Conversion, name: str, value: Any) -> None:
+    if value is None:
+        raise ConfigError("TRL does not truncate (None); the engine's examples have a length: set data.max_length")
+    c.set("data.max_length", value)
+
+
+def packing_value(packing: bool, strategy: str) -> bool | str:
+    """The engine's data.packing for TRL's packing / packing_strategy: the same rows (tests/test_trl_parity.py)."""
+    if not packing:
+        return False
+    return "bfd_split" if strategy == "bfd-requeue" else strategy  # TRL's older name of bfd_split
+
+
+def _packing(c: Conversion, name: str, value: Any) -> None:
+    args = c.arguments
+    packing, padding_free = flag(args.get("packing", False)), flag(args.get("padding_free", False))
+    strategy = args.get("packing_strategy", "bfd")
+    if strategy not in ("bfd", "bfd_split", "bfd-requeue", "wrapped"):
+        raise ConfigError("expected 'bfd', 'bfd_split' or 'wrapped'")
+    result = packing_value(packing, strategy)
+    note = {False: "one example per row, as SFTConfig's default packing = false",
+            "bfd": "TRL's best-fit decreasing packing, padding-free", "bfd_split": "TRL's bfd_split",
+            "wrapped": "TRL's wrapped: concatenated and cut at max_length"}
+    c.set("data.packing", result, note=note[result])
+    if padding_free and result in (False, "wrapped"):  # the bfd packings are padding-free already
+        c.set("data.padding_free", True, note="TRL's padding_free: each batch flattened into one row")
+
+
+def _read_with(c: Conversion, name: str, value: Any) -> None:
+    """A field another field's converter reads (which writes the key once, as that field's value)."""
+
+
+def data_kind(args: dict[str, Any]) -> str | None:
+    """'chat' when the source says its rows are conversations (a handbook recipe), else None (unknown)."""
+    return "chat" if any(args.get(key) for key in CHAT_KINDS) else None
+
+
+def _loss_coverage(c: Conversion, name: str, value: Any) -> None:
+    """TRL: the loss covers the completion only for prompt/completion rows (completion_only_loss None or true),
+    the whole conversation for chat rows unless assistant_only_loss."""
+    args = c.arguments
+    assistant_only = flag(args.get("assistant_only_loss", False))
+    completion_only = args.get("completion_only_loss")
+    if completion_only is not None:
+        flag(completion_only)
+    kind = data_kind(args)
+    c.set("data.train_on_all_tokens", not assistant_only,
+          note="" if kind == "chat" else (
+              "the chat-rows value; for prompt/completion rows TRL trains on the completion only"
+              + (" (completion_only_loss = false: on all tokens): keep true" if completion_only is False
+                 else ": set data.train_on_all_tokens = false for such data")))
+
+
+def _dataset_kwargs(c: Conversion, name: str, value: Any) -> None:
+    if value is None:  # TRL 1.16 encodes text and prompt/completion rows with the tokenizer's special tokens
+        c.set("data.add_special_tokens", True, note="as SFTTrainer encodes text and prompt/completion rows (its bos)")
+        return
+    if not isinstance(value, dict):
+        raise ConfigError("expected a table")
+    for key, item in value.items():
+        if key == "add_special_tokens":
+            c.set("data.add_special_tokens", flag(item))
+        elif key == "append_concat_token" and item is False:
+            continue  # older TRL: no EOS between packed examples; the engine's packing adds none of its own
+        else:
+            c.lose(f"{name}.{key} = {json.dumps(item, default=str)}",
+                   "no counterpart: the engine prepares the dataset itself (data.add_special_tokens is the one key)")
+
+
+def _truncation_mode(c: Conversion, name: str, value: Any) -> None:
+    if value != "keep_start":
+        raise ConfigError("the engine truncates the end of an example (keep_start), or data.truncation = 'drop'")
+    c.set("data.truncation", "truncate")
+
+
+def _bf16(c: Conversion, name: str, value: Any) -> None:
+    """SFTConfig's bf16 default None: bf16 unless fp16 (Axolotl's 'auto' too: bf16 where the GPU has it)."""
+    if value in (None, "auto"):
+        if not c.arguments.get("fp16"):
+            c.set("train.bf16", True, note="SFTConfig's default (None: bf16 unless fp16); on a GPU without bf16, "
+                                           "set train.bf16 = false" if value is None else
+                  "Axolotl's 'auto': bf16 where the GPU supports it; set false for such a GPU")
+        return
+    c.set("train.bf16", flag(value))
+
+
+def _use_peft(c: Conversion, name: str, value: Any) -> None:
+    if flag(value):
+        c.enable("peft")
+
+
+def _lora_task_type(c: Conversion, name: str, value: Any) -> None:
+    if value != "CAUSAL_LM":
+        raise ConfigError("the peft plugin adapts causal language models (CAUSAL_LM) only")
+
+
+def _quantize(c: Conversion, name: str, value: Any) -> None:
+    if flag(value):
+        c.set("peft.quantize", "4bit" if "4bit" in name else "8bit",
+              note="QLoRA's base quantized by bitsandbytes: train.model must be a saved model folder")
+
+
+def _nested_quant(c: Conversion, name: str, value: Any) -> None:
+    c.set("peft.bnb_4bit_use_double_quant", flag(value))
+
+
+def _dtype(c: Conversion, name: str, value: Any) -> None:
+    """TRL loads the weights in ``dtype`` and computes QLoRA's 4-bit matmuls in it."""
+    if value in (None, "auto", "float32"):
+        return
+    if c.arguments.get("load_in_4bit") and value in ("bfloat16", "float16"):
+        c.set("peft.bnb_4bit_compute_dtype", value, note="the 4-bit layers' compute dtype, as TRL's "
+                                                         "get_quantization_config")
+        return
+    raise ConfigError("the engine keeps float32 weights and trains under autocast: train.bf16 = true (or fp16) is "
+                      "the nearest")
+
+
+def _dataset_name(c: Conversion, name: str, value: Any) -> None:
+    if value is None:
+        return
+    c.set("data.train", value)
+    if c.arguments.get("eval_strategy", "no") != "no":  # trl's sft.py evaluates on dataset_test_split
+        c.set("data.eval", value, note="sft.py evaluates on dataset_test_split of dataset_name")
+
+
+def _dataset_mixer(c: Conversion, name: str, value: Any) -> None:
+    """The handbook's older ``dataset_mixer`` {name: fraction} with ``dataset_splits``: train splits mixed
+    with the fractions, test splits whole."""
+    if not isinstance(value, dict) or not value:
+        raise ConfigError("expected a table of dataset name -> fraction")
+    splits = c.arguments.get("dataset_splits") or ["train", "test"]
+    train = [s for s in splits if "train" in s]
+    test = [s for s in splits if "test" in s]
+    if len(train) != 1:
+        raise ConfigError(f"dataset_splits {splits}: the engine reads one train split per source")
+    configs = c.arguments.get("dataset_configs") or [None] * len(value)
+    sources = [{"source": ds, "split": train[0], **({"config": cfg} if cfg else {}),
+                **({"weight": float(frac)} if frac != 1 else {})} for (ds, frac), cfg in zip(value.items(), configs)]
+    _write_sources(c, sources)
+    if test:
+        first = next(iter(value))
+        c.set("data.eval", first, note=f"the handbook evaluates on the {test[0]} split of every dataset; data.eval "
+                                        "is one source: the first one's")
+        c.set("data.eval_dataset_split", test[0])
+        if len(value) > 1:
+            c.lose(f"{name} test splits of {', '.join(list(value)[1:])}",
+                   "data.eval is one source: only the first dataset's test split is evaluated")
+
+
+def _dataset_mixture(c: Conversion, name: str, value: Any) -> None:
+    """TRL's ``DatasetMixtureConfig`` (the handbook's ``dataset_mixture``): datasets with id, config, split,
+    columns and weight, and test_split_size."""
+    if not isinstance(value, dict) or not isinstance(value.get("datasets"), list):
+        raise ConfigError("expected a table with a list of datasets")
+    sources = []
+    for item in value["datasets"]:
+        if not isinstance(item, dict) or not item.get("id") and not item.get("path"):
+            raise ConfigError("each dataset needs an id")
+        source = {"source": item.get("id") or item.get("path")}
+        source.update({key: item[key] for key in ("config", "split", "columns", "weight") if item.get(key) is not None})
+        sources.append(source)
+    _write_sources(c, sources)
+    if value.get("test_split_size"):
+        c.set("data.eval_split", value["test_split_size"], note="held out of the mixture, as the handbook's")
+
+
+def _write_sources(c: Conversion, sources: list[dict[str, Any]]) -> None:
+    """One source without a weight: data.train (and data.split / data.config); several: [[data.mixture]]."""
+    if len(sources) == 1 and "weight" not in sources[0] and "columns" not in sources[0]:
+        source = sources[0]
+        c.set("data.train", source["source"])
+        for key in ("split", "config"):
+            if key in source:
+                c.set(f"data.{key}", source[key])
+    else:
+        c.set("data.mixture", sources, note="the sources mixed with their weights (fractions of rows kept)")
+
+
+def _dataset_splits(c: Conversion, name: str, value: Any) -> None:
+    if not c.arguments.get("dataset_mixer"):
+        raise ConfigError("read with dataset_mixer only")
+
+
+def _chat_template(c: Conversion, name: str, value: Any) -> None:
+    if value is not None:
+        c.set("data.chat_template", value, note="inline Jinja" if "{%" in str(value) or "{{" in str(value) else "")
+
+
+# ---------------------------------------------------------------------------- the tables
+
+_LOST_DATA_PREP = "the engine prepares the data itself; no counterpart"
+_ATTENTION = ("no run-file key picks the attention implementation: from_pretrained's default (sdpa where the model "
+              "has it) is used; a plugin's model_load_kwargs hook can set it")
+
+SFT_FIELDS: dict[str, Answer] = {
+    "bf16": accepted("bf16", convert=_bf16, note="None (SFTConfig's default): true unless fp16"),
+    "max_length": data_key("max_length", convert=_max_length,
+                           note="TRL's default 1024 is written: the engine's is 128"),
+    "packing": Answer(ACCEPTED, ("data.packing", "data.padding_free"), convert=_packing, note=(
+        "false (TRL's default) is written: the engine packs by default; with packing_strategy and padding_free")),
+    "packing_strategy": data_key("packing", convert=_read_with, note="'bfd', 'bfd_split', 'wrapped': the same name"),
+    "padding_free": data_key("padding_free", convert=_read_with, note="data.padding_free with packing off or "
+                                                                      "'wrapped'; the bfd packings are padding-free"),
+    "completion_only_loss": data_key("train_on_all_tokens", convert=_read_with, note=(
+        "with assistant_only_loss: false = loss on the completion / assistant turns only")),
+    "assistant_only_loss": data_key("train_on_all_tokens", convert=_loss_coverage, note=(
+        "true -> train_on_all_tokens = false; TRL's default trains chat rows on the whole conversation")),
+    "dataset_text_field": data_key("text_column"),
+    "dataset_num_proc": data_key("num_proc"),
+    "dataset_kwargs": Answer(ACCEPTED, ("data.add_special_tokens",), convert=_dataset_kwargs,
+                             note="add_special_tokens -> data.add_special_tokens; other keys have no counterpart"),
+    "eos_token": data_key("eos_token"),
+    "pad_token": data_key("pad_token"),
+    "chat_template_path": data_key("chat_template", convert=_chat_template, note="a template file or a known name"),
+    "truncation_mode": data_key("truncation", convert=_truncation_mode, note="'keep_start' only"),
+    "model_init_kwargs": refused("no [train] key passes from_pretrained keywords; a plugin's model_load_kwargs hook "
+                                 "does"),
+    "trust_remote_code": refused("the engine never runs a model repository's code: build the model in "
+                                 "'package.module:function' (train.model)"),
+    "router_aux_loss_coef": refused("no MoE router loss in the engine's loss"),
+    "shuffle_dataset": refused("the engine's sampler shuffles every epoch (seeded by data_seed); there is no "
+                               "extra shuffle of the dataset before packing"),
+    "pad_to_multiple_of": Answer(BUILTIN, legacy_defaults=("auto", None),
+                                 note="batches are padded to their longest example (TRL's 'auto' off Neuron)"),
+    "eval_packing": Answer(BUILTIN, legacy_defaults=(None,), note="evaluation data is packed as data.packing says"),
+    "loss_type": Answer(REFUSED, legacy_defaults=("nll",), note="the engine's loss is the token-mean NLL ('nll'); "
+                                                                 "no 'dft'"),
+    "activation_offloading": refused("no activation offloading: use train.activation_checkpointing"),
+    # older TRL names
+    "max_seq_length": data_key("max_length", convert=_max_length, legacy_defaults=(None,),
+                               note="TRL's older name of max_length"),
+    "dataset_batch_size": Answer(REFUSED, legacy_defaults=(1000, None), note=_LOST_DATA_PREP),
+    "num_of_sequences": Answer(REFUSED, legacy_defaults=(1024, None), note=_LOST_DATA_PREP),
+    "chars_per_token": Answer(REFUSED, legacy_defaults=(3.6, None), note=_LOST_DATA_PREP),
+}
+
+MODEL_FIELDS: dict[str, Answer] = {
+    "model_name_or_path": accepted("model"),
+    "model_revision": refused("train.model is a local folder or a name: download that revision"),
+    "dtype": Answer(PLUGIN, ("peft.bnb_4bit_compute_dtype",), ("peft",), convert=_dtype, note=(
+        "with load_in_4bit: QLoRA's compute dtype; else no counterpart: the engine keeps float32 weights and trains "
+        "under autocast (train.bf16)")),
+    "attn_implementation": refused(_ATTENTION),
+    "use_peft": Answer(PLUGIN, (), ("peft",), convert=_use_peft, note="true enables the peft plugin"),
+    "lora_r": peft_key("r"),
+    "lora_alpha": peft_key("lora_alpha"),
+    "lora_dropout": peft_key("lora_dropout"),
+    "lora_target_modules": peft_key("target_modules"),
+    "lora_modules_to_save": peft_key("modules_to_save"),
+    "lora_task_type": peft_key(convert=_lora_task_type, note="CAUSAL_LM only"),
+    "use_rslora": peft_key("use_rslora"),
+    "use_dora": peft_key("use_dora"),
+    "load_in_4bit": peft_key("quantize", convert=_quantize, note="true -> quantize = '4bit' (QLoRA)"),
+    "load_in_8bit": peft_key("quantize", convert=_quantize, note="true -> quantize = '8bit'"),
+    "bnb_4bit_quant_type": peft_key("bnb_4bit_quant_type"),
+    "use_bnb_nested_quant": peft_key("bnb_4bit_use_double_quant", convert=_nested_quant,
+                                     note="TRL's default false is written: the plugin's is true"),
+    "lora_target_parameters": refused("peft's target_parameters (MoE expert weights) is not a [peft] key"),
+    "bnb_4bit_quant_storage": refused("the 4-bit weights are stored as bitsandbytes packs them (uint8)"),
+    # older ModelConfig and the handbook's ModelArguments
+    "torch_dtype": Answer(PLUGIN, ("peft.bnb_4bit_compute_dtype",), ("peft",), convert=_dtype,
+                          legacy_defaults=(None, "auto", "float32"), note="older name of dtype"),
+    "use_flash_attention_2": Answer(REFUSED, legacy_defaults=(False,), note=_ATTENTION),
+    "tokenizer_name_or_path": data_key("tokenizer", legacy_defaults=(None,)),
+    "model_code_revision": Answer(REFUSED, legacy_defaults=(None, "main"), note="no remote code is run"),
+}
+
+_MIXER_KEYS = ("data.mixture", "data.split", "data.config")  # written by dataset_mixer, which reads them
+
+SCRIPT_FIELDS: dict[str, Answer] = {
+    # TRL's ScriptArguments (trl/scripts/sft.py)
+    "dataset_name": Answer(ACCEPTED, ("data.train", "data.eval"), convert=_dataset_name),
+    "dataset_config": data_key("config"),
+    "dataset_train_split": data_key("split"),
+    "dataset_test_split": data_key("eval_dataset_split"),
+    "dataset_streaming": data_key("streaming"),
+    "ignore_bias_buffers": builtin("the ddp plugin wraps the model as it is"),
+    # the alignment handbook's recipe keys
+    "dataset_mixture": Answer(ACCEPTED, ("data.mixture", "data.train", "data.split", "data.config", "data.eval_split"),
+                              convert=_dataset_mixture, legacy_defaults=(None,),
+                              note="[[data.mixture]] (one source without weight: data.train)"),
+    "dataset_mixer": Answer(ACCEPTED, ("data.mixture", "data.train", "data.split", "data.config", "data.eval",
+                                       "data.eval_dataset_split"), convert=_dataset_mixer, legacy_defaults=(None,),
+                            note="the handbook's older mixture, with dataset_splits"),
+    "dataset_splits": Answer(ACCEPTED, _MIXER_KEYS, convert=_dataset_splits, legacy_defaults=(None,),
+                             note="read with dataset_mixer"),
+    "dataset_configs": Answer(ACCEPTED, _MIXER_KEYS, convert=_dataset_splits, legacy_defaults=(None,),
+                              note="read with dataset_mixer"),
+    "chat_template": data_key("chat_template", convert=_chat_template, legacy_defaults=(None,),
+                              note="inline Jinja, as the recipe holds it"),
+    "text_column": data_key("text_column", legacy_defaults=("text",)),
+    "preprocessing_num_workers": data_key("num_proc", legacy_defaults=(None,)),
+    "truncation_side": Answer(REFUSED, legacy_defaults=(None, "right"), note="the engine truncates the end"),
+    "auto_insert_empty_system_msg": Answer(REFUSED, legacy_defaults=(True,),
+                                           note="the chat template alone decides a system turn"),
+}
+
+SFT_ANSWERS = {**SFT_FIELDS, **MODEL_FIELDS, **SCRIPT_FIELDS}
+
+
+def is_sft(arguments: dict[str, Any]) -> bool:
+    """Whether ``arguments`` holds any field of TRL's (not only TrainingArguments)."""
+    return any(name in SFT_ANSWERS and name != "bf16" for name in arguments)
+
+
+def sft_defaults() -> dict[str, Any]:
+    """SFTConfig's, ModelConfig's and ScriptArguments' field defaults (SFTConfig's ``bf16`` None: its
+    __post_init__ would make it true, which a default instance refuses on a CPU), as a dump holds them."""
+    from trl import ModelConfig, ScriptArguments, SFTConfig
+
+    defaults: dict[str, Any] = {}
+    for cls in (SFTConfig, ModelConfig, ScriptArguments):
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                defaults[f.name] = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                defaults[f.name] = f.default_factory()
+    return json.loads(json.dumps(defaults, default=str))
+
+
+# ---------------------------------------------------------------------------- TRL's command line
+
+
+def parse_command_line(text: str | list[str]) -> dict[str, Any]:
+    """``--key value`` / ``--flag`` arguments (a list, or a shell command line with ``\\`` continuations and
+    ``#`` comment lines) as a dict of typed values; a flag without a value is true."""
+    if isinstance(text, str):
+        lines = [line.split("#", 1)[0] if line.lstrip().startswith("#") else line for line in text.splitlines()]
+        tokens = shlex.split(" ".join(line.rstrip().rstrip("\\") for line in lines))
+    else:
+        tokens = list(text)
+    while tokens and not tokens[0].startswith("--"):  # `python trl/scripts/sft.py` or `trl sft`
+        tokens.pop(0)
+    arguments: dict[str, Any] = {}
+    index = 0
+    while index < len(tokens):
+        token = tokens[index]
+        if not token.startswith("--") or token == "--":
+            raise ConfigError(f"TRL command line: {token!r} is not an --argument")
+        key, equals, value = token[2:].partition("=")
+        values = [value] if equals else []
+        while not equals and index + 1 < len(tokens) and not tokens[index + 1].startswith("--"):
+            index += 1
+            values.append(tokens[index])
+        typed = [_typed(v) for v in values]
+        arguments[key.replace("-", "_")] = True if not typed else typed[0] if len(typed) == 1 else typed
+        index += 1
+    return arguments
+
+
+def _typed(text: str) -> Any:
+    """A command-line value as HfArgumentParser reads it for its field: a bool, a number, None or the text."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    if text in ("None", "none", "null"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
