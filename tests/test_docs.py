@@ -1,12 +1,11 @@
 """The README's examples run as written."""
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
+from engine.cli import main
 from engine.testing import run_steps
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
@@ -15,6 +14,16 @@ README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 def _block(lang: str, after: str) -> str:
     start = README.index(after)
     return re.search(rf"```{lang}\n(.*?)```", README[start:], re.S).group(1)
+
+
+def plan(words, cwd, monkeypatch, capsys):
+    """`engine plan WORDS` run in ``cwd`` (in this process: the command line is the same, without the start-up
+    of a new interpreter for each of the README's lines); its exit status and output."""
+    monkeypatch.chdir(cwd)
+    capsys.readouterr()
+    status = main(["plan", *words])
+    out, err = capsys.readouterr()
+    return status, out, err
 
 
 def test_readme_plugin_in_20_lines_works(entry_point_plugin, tmp_path):
@@ -29,46 +38,42 @@ def test_readme_plugin_in_20_lines_works(entry_point_plugin, tmp_path):
     assert all(not p._backward_hooks for p in noisy.model.parameters())  # undone at the end
 
 
-def test_readme_composed_run_plans(tmp_path):
+def test_readme_composed_run_plans(tmp_path, monkeypatch, capsys):
     run_file = tmp_path / "run.toml"
     run_file.write_text(_block("toml", "## A composed run"))
-    result = subprocess.run([sys.executable, "-m", "engine", "plan", str(run_file)],
-                            capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    assert "optimizer  selected 'lion' from lion" in result.stdout
+    status, out, err = plan([str(run_file)], tmp_path, monkeypatch, capsys)
+    assert status == 0, err
+    assert "optimizer  selected 'lion' from lion" in out
 
 
-def test_readme_command_lines_compose(tmp_path):
+def test_readme_command_lines_compose(tmp_path, monkeypatch, capsys):
     """Each `engine train ...` line of the README composes (checked with `engine plan`)."""
     (tmp_path / "run.toml").write_text(_block("toml", "## A composed run"))
     commands = [line.split("#")[0].split() for line in _block("bash", "## A composed run").splitlines()
                 if line.startswith("engine train")]
     assert len(commands) == 2
     for words in commands:
-        result = subprocess.run([sys.executable, "-m", "engine", "plan", *words[2:]], cwd=tmp_path,
-                                capture_output=True, text=True)
-        assert result.returncode == 0, (words, result.stderr)
+        status, _, err = plan(words[2:], tmp_path, monkeypatch, capsys)
+        assert status == 0, (words, err)
 
 
-def test_readme_checkpoint_commands_compose(tmp_path):
+def test_readme_checkpoint_commands_compose(tmp_path, monkeypatch, capsys):
     (tmp_path / "checkpoints.toml").write_text(_block("toml", "## Checkpoints, resume and the best model"))
     lines = [line.split("#")[0].split() for line in
              _block("bash", "## Checkpoints, resume and the best model").splitlines() if line.startswith("engine ")]
     assert [words[1] for words in lines] == ["train", "train", "evaluate"]
     for words in lines:
         args = [w for w in words[2:] if not w.startswith("--checkpoint") and "checkpoint-" not in w]
-        result = subprocess.run([sys.executable, "-m", "engine", "plan", *args], cwd=tmp_path,
-                                capture_output=True, text=True)
-        assert result.returncode == 0, (words, result.stderr)
-        assert "early_stopping" in result.stdout
+        status, out, err = plan(args, tmp_path, monkeypatch, capsys)
+        assert status == 0, (words, err)
+        assert "early_stopping" in out
 
 
-def test_readme_run_folder_commands_compose(tmp_path):
+def test_readme_run_folder_commands_compose(tmp_path, monkeypatch, capsys):
     (tmp_path / "run.toml").write_text(_block("toml", "## A composed run"))
     lines = [line.split("#")[0].replace("&", "").split()
              for line in _block("bash", "## A run owns its folder").splitlines() if line.startswith("engine ")]
     assert len(lines) == 4
     for words in lines:
-        result = subprocess.run([sys.executable, "-m", "engine", "plan", *words[2:]], cwd=tmp_path,
-                                capture_output=True, text=True)
-        assert result.returncode == 0, (words, result.stderr)
+        status, _, err = plan(words[2:], tmp_path, monkeypatch, capsys)
+        assert status == 0, (words, err)
