@@ -3,7 +3,6 @@ loss mask are checked against the text its format writes (the Alpaca prompt as A
 it, spelled out here), both ways of data.train_on_all_tokens; with packing, truncation, streaming, eval
 data and the cache; each bad input refused in one line before the model loads."""
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -274,9 +273,32 @@ def test_a_tokenizer_trains_on_the_rows_of_every_format(tmp_path):
     from engine.builtin.data.tokenizer import build_tokenizer
 
     rows = [{"instruction": f"add {i} and {i}", "input": "", "output": f"{2 * i}"} for i in range(30)]
-    path = tmp_path / "alpaca.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    data = DataConfig(train=str(path), format="alpaca", tokenizer_vocab_size=300)
+    data = DataConfig(train=write_jsonl(tmp_path / "alpaca.jsonl", rows), format="alpaca", tokenizer_vocab_size=300)
     learnt = build_tokenizer(data, "tiny-llama").get_vocab()
     rendered = [alpaca_prompt(row["instruction"], "", None) + row["output"] for row in rows]
     assert learnt == train_tokenizer(rendered, 300).get_vocab()
+
+
+def test_engine_plan_refuses_chats_no_template_will_render(tmp_path, monkeypatch, capfd):
+    """A trained tokenizer (or a folder's) without a chat template, for chat rows: engine plan says so, not the
+    build after the model loaded; data.chat_template, or a folder whose tokenizer has one, is accepted."""
+    from engine.cli import main
+
+    chats = write_jsonl(tmp_path / "chats.jsonl", [{"messages": [{"role": "user", "content": "hi"},
+                                                                 {"role": "assistant", "content": "hello"}]}])
+    monkeypatch.chdir(tmp_path)
+    with_template = tmp_path / "with-template"
+    chatml_tokenizer(["hi hello"] * 3).save_pretrained(with_template)
+    without = tmp_path / "without"
+    train_tokenizer(["hi hello"] * 3, 280).save_pretrained(without)
+    for sets, refused in (([], True), ([f"data.tokenizer={without}"], True), (["data.chat_template=chatml"], False),
+                          ([f"data.tokenizer={with_template}"], False)):
+        capfd.readouterr()
+        status = main(["plan", "--set", f"data.train={chats}", *(arg for item in sets for arg in ("--set", item))])
+        out, err = capfd.readouterr()
+        if refused:
+            assert_one_line_error(subprocess.CompletedProcess(["engine"], status, out, err),
+                                  "data.train: chat data (a 'messages' column) needs a tokenizer with a chat template")
+        else:
+            assert status == 0, err
+    assert not (tmp_path / "output").exists()

@@ -31,7 +31,7 @@ from .build import (
 )
 from .checks import input_limits
 from .collators import collator_for, enable_document_packing, flattens
-from .formats import check_options as check_format_options, check_rows, peekable_sources
+from .formats import check_options as check_format_options, check_rows, no_chat_template, peekable_sources
 from .mixture import peekable_sources as peekable_mixture
 from .options import DataOptions
 from .sources import show_progress
@@ -39,7 +39,7 @@ from .streaming import ResumableStream
 from .task_rows import label_ids_by_name
 from .tokenizer import (
     apply_token_options, build_tokenizer, check_token_options, check_tokenizer_source, fit_model_to_tokens,
-    has_tokenizer, load_tokenizer,
+    has_chat_template, has_tokenizer, load_tokenizer,
 )
 
 DATA_OPTIONS = DataOptions  # the [data] keys it reads: engine.config.DataConfig has them
@@ -65,14 +65,27 @@ def configure(run):
                           "counted in this process, so that a resumed run starts exactly where it stopped)")
     check_config(data)  # data.mixture's entries, before anything loads
     check_format_options(data)
-    if data.format != "auto" and run.train_dataset is None:  # rows of another format refused by engine plan
-        for key, source, split in peekable_sources(data):
-            with named_rows(source, key, data):
-                check_rows(data, key, source, split)
-    if data.mixture is not None and run.train_dataset is None:  # and each mixed source's, by its own format
-        for mixed in peekable_mixture(data):
-            with named_rows(mixed.entry.source, mixed.key, mixed.data):
-                check_rows(mixed.data, mixed.key, mixed.entry.source, mixed.entry.split or data.split)
+    if run.train_dataset is None:
+        _check_first_rows(run, data)
+
+
+def _check_first_rows(run, data):
+    """The first rows of the local sources (each mixed source by its own format keys), for engine plan: rows of
+    another format than data.format, or chats that no chat template will render, are refused."""
+    others_tokenize = any(not run.plugin_manager.is_builtin(impl.plugin_name)
+                          for impl in run.hook.create_tokenizer.get_hookimpls())
+    templated = others_tokenize or data.chat_template is not None or \
+        has_chat_template(run.tokenizer, data, run.config.train.model)
+    sources = [(key, source, split, data) for key, source, split in peekable_sources(data)]
+    if data.mixture is not None:
+        sources += [(mixed.key, mixed.entry.source, mixed.entry.split or data.split, mixed.data)
+                    for mixed in peekable_mixture(data)]
+    for key, source, split, read_as in sources:
+        if read_as.format == "auto" and templated:
+            continue  # nothing to check without reading rows
+        with named_rows(source, key, read_as):
+            if check_rows(read_as, key, source, split) == "chat" and not templated:
+                raise no_chat_template(key, read_as)
 
 
 @hookimpl

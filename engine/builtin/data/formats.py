@@ -293,11 +293,19 @@ def peekable_sources(data: DataConfig) -> Iterable[tuple[str, str, str]]:
             yield key, source, split
 
 
-def check_rows(data: DataConfig, key: str, source: str, split: str) -> None:
-    """The first :data:`PLAN_ROWS` rows of ``source`` read as ``data.format`` says: its columns there, each
+def check_rows(data: DataConfig, key: str, source: str, split: str) -> str:
+    """The kind of ``source``'s rows (:func:`data_kind`), read from its first rows without loading it all. Unless
+    ``data.format`` is 'auto', the first :data:`PLAN_ROWS` rows are read as it says: its columns there, each
     row's values of the format's shape (refused as a :class:`BadRow` counted from 0)."""
     peek = load_source(source, dataclasses.replace(data, streaming=True), key, split)
     kind = data_kind(peek, data, key)
-    batch = next(iter(peek.take(PLAN_ROWS).iter(batch_size=PLAN_ROWS)), None)
+    batch = None if data.format == "auto" else next(iter(peek.take(PLAN_ROWS).iter(batch_size=PLAN_ROWS)), None)
     if batch is not None:
         _check_batch(batch, list(range(len(next(iter(batch.values()))))), kind, data, key)
+    return kind
+
+
+def no_chat_template(key: str, data: DataConfig) -> ConfigError:
+    return ConfigError(f"{key}: chat data (a {messages_column(data)!r} column) needs a tokenizer with a chat "
+                       "template, and this tokenizer has none; set data.chat_template (e.g. 'chatml', "
+                       "inline Jinja or a file), or data.tokenizer to a folder whose tokenizer has one")

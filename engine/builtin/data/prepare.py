@@ -14,8 +14,8 @@ from .packing import (
     _encode_and_pack, _encode_chat, _encode_completion, _encode_text, _pack_best_fit, _pack_concatenated,
     _pack_documents, _truncate,
 )
-from .formats import format_encoder
-from .sources import column_names, data_kind, logger, messages_column
+from .formats import format_encoder, no_chat_template
+from .sources import column_names, data_kind, logger
 from .task_rows import _Pipeline, prepare_task_rows
 
 if TYPE_CHECKING:
@@ -74,9 +74,7 @@ def _tokenize_and_shape(rows: Any, kind: str, data: DataConfig, tokenizer: PreTr
             raise ConfigError(f"{key}: {kind} data needs a fast tokenizer (character offsets find the "
                               "tokens to learn); this one is slow")
         if kind == "chat" and not getattr(tokenizer, "chat_template", None):
-            raise ConfigError(f"{key}: chat data (a {messages_column(data)!r} column) needs a tokenizer with a chat "
-                              "template, and this tokenizer has none; set data.chat_template (e.g. 'chatml', "
-                              "inline Jinja or a file), or data.tokenizer to a folder whose tokenizer has one")
+            raise no_chat_template(key, data)
         step = format_encoder(kind, data, functools.partial(_eos_id, tokenizer))  # a prompt format's rows
         if step is not None:
             function, name, settings = step

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -87,6 +88,25 @@ def load_tokenizer(path: str, key: str) -> PreTrainedTokenizerBase:
 def has_tokenizer(folder: str | Path) -> bool:
     """Whether ``folder`` holds a saved tokenizer (a model folder, a checkpoint)."""
     return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def has_chat_template(given: Any, data: DataConfig, model_source: str) -> bool:
+    """Whether the tokenizer a run will use has a chat template, told before it loads: the one given to Run,
+    else the folder of data.tokenizer or of the model (a trained tokenizer has none). A folder whose files
+    cannot be read here counts as having one: loading it says what is wrong."""
+    if given is not None:
+        return bool(getattr(given, "chat_template", None))
+    folder = data.tokenizer if data.tokenizer not in ("auto", "train") else \
+        model_source if data.tokenizer == "auto" and Path(model_source).is_dir() else None
+    if folder is None:
+        return False
+    folder = Path(folder)
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+        return True
+    try:
+        return bool(json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return True
 
 
 def check_tokenizer_source(data: DataConfig, model_source: str) -> None:
