@@ -65,7 +65,7 @@ def configure(run):
                           "counted in this process, so that a resumed run starts exactly where it stopped)")
     check_config(data)  # data.mixture's entries, before anything loads
     check_format_options(data)
-    if run.train_dataset is None:
+    if run.train_dataset is None and run.task == "causal-lm":  # other tasks' rows: engine/builtin/tasks.py
         _check_first_rows(run, data)
 
 
