@@ -77,7 +77,7 @@ def test_the_zephyr_full_recipe_keeps_sft_trainers_objective():
     train, data = migration.sections["train"], migration.sections["data"]
     assert data["max_length"] == 2048  # max_seq_length, not the engine's 128
     assert data["packing"] is False  # SFTConfig's default: no packing (the engine packs by default)
-    assert data["train_on_all_tokens"] is True  # chat rows, no assistant_only_loss: the whole conversation
+    assert data["train_on_all_tokens"] == "chat"  # chat rows, no assistant_only_loss: the whole conversation
     assert (data["train"], data["split"], data["eval"], data["eval_dataset_split"]) == (
         "HuggingFaceH4/ultrachat_200k", "train_sft", "HuggingFaceH4/ultrachat_200k", "test_sft")
     assert data["num_proc"] == 12
@@ -146,10 +146,20 @@ def test_trl_packing_settings_give_the_packings_tested_against_trl(fields, packi
     assert data["add_special_tokens"] is True  # SFTTrainer encodes text with the tokenizer's special tokens
 
 
-def test_unknown_data_kind_writes_the_chat_value_and_says_what_prompt_completion_rows_need():
-    migration = migrate(["--dataset_name", "some/data", "--max_length", "256"])
-    assert migration.sections["data"]["train_on_all_tokens"] is True
-    assert any("for prompt/completion rows TRL trains on the completion only" in line for line in migration.mapped)
+@pytest.mark.parametrize("fields, coverage", [
+    ({}, "chat"), ({"completion_only_loss": False}, True), ({"assistant_only_loss": True}, False),
+    ({"assistant_only_loss": True, "completion_only_loss": True}, False)])
+def test_trl_loss_coverage_whatever_the_rows(fields, coverage):
+    """SFTTrainer's default learns chat rows whole and prompt/completion rows' completions: data.train_on_all_tokens
+    = "chat" says both, so the run file needs no knowledge of the data (tests/test_trl_parity.py trains both)."""
+    migration = migrate(["--dataset_name", "some/data", *(arg for k, v in fields.items() for arg in (f"--{k}", str(v)))])
+    assert migration.sections["data"].get("train_on_all_tokens", False) == coverage
+
+
+def test_assistant_only_loss_with_every_completion_token_is_lost_with_the_fix():
+    migration = migrate({"dataset_text_field": "text", "assistant_only_loss": True, "completion_only_loss": False})
+    assert "train_on_all_tokens" not in migration.sections["data"]
+    assert any("has no one value: set data.train_on_all_tokens" in why for _, why in migration.lost)
 
 
 # ---------------------------------------------------------------------------- TRL's command line and objects
@@ -245,7 +255,7 @@ def test_migrate_command_reads_yaml_and_from_axolotl(tmp_path, capsys):
 def test_the_zephyr_full_run_trains(tmp_path, tokenizer):
     run = trained(converted(ZEPHYR_FULL).mapping, tmp_path, write_jsonl(tmp_path / "chat.jsonl", chat_rows()),
                   model=tiny_model(vocab_size=len(tokenizer)), tokenizer=tokenizer)
-    assert run.config.data.packing is False and run.config.data.train_on_all_tokens is True
+    assert run.config.data.packing is False and run.config.data.train_on_all_tokens == "chat"
     example = run.train_dataset[0]
     assert example["labels"] == example["input_ids"]  # the whole conversation, as SFTTrainer's default
 

@@ -1,5 +1,5 @@
 """The same objective as TRL's ``SFTTrainer``: on the same tiny Llama (same initial weights), the same
-rows and the same schedule, an engine run with the ``[data]`` keys that an ``SFTConfig`` maps onto gives
+rows and the same schedule, the run ``engine.migrate`` converts from the same ``SFTConfig`` gives
 the same per-step training losses as ``trl.SFTTrainer`` (docs/getting-started.md, "The same objective as
 TRL's SFTTrainer", lists which keys reproduce which SFTConfig setting). Text, prompt/completion and
 conversational rows; packing off, TRL's ``bfd``, ``bfd_split`` and ``wrapped`` packing, ``padding_free``,
@@ -105,20 +105,26 @@ def losses(log_history):
     return [entry["loss"] for entry in log_history if "loss" in entry and "train_loss" not in entry]
 
 
+def sft_config(tmp_path, **sft):
+    return trl.SFTConfig(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, bf16=False, **{**SCHEDULE, **sft})
+
+
 def sft_trainer(tmp_path, tokenizer, train, **sft):
-    args = trl.SFTConfig(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, bf16=False,
-                         **{**SCHEDULE, **sft})
-    trainer = trl.SFTTrainer(model=llama(tokenizer), args=args, train_dataset=train, processing_class=tokenizer)
+    trainer = trl.SFTTrainer(model=llama(tokenizer), args=sft_config(tmp_path, **sft), train_dataset=train,
+                             processing_class=tokenizer)
     trainer.train()
     return losses(trainer.state.log_history)
 
 
-def engine_losses(tmp_path, tokenizer, train, train_keys=None, **data):
-    """The engine's per-step losses; ``data`` as SFTConfig's defaults map onto it (max_length 1024)."""
-    run = engine.Run({"train": {**SCHEDULE, "output_dir": str(tmp_path / "engine"), "save_final_model": False,
-                                **(train_keys or {})},
-                      "data": {"max_length": 1024, **data}}, model=llama(tokenizer), tokenizer=tokenizer,
-                     train_dataset=train)
+def engine_losses(tmp_path, tokenizer, train, expected, **sft):
+    """The engine's per-step losses, its run converted from the same ``SFTConfig`` by ``engine.migrate``, which
+    writes the ``expected`` [data] values (docs/getting-started.md lists them)."""
+    mapping = engine.migrate(sft_config(tmp_path, **sft)).mapping
+    assert {key: mapping["data"].get(key, False) for key in expected} == expected
+    if sft.get("max_length", 1024) is None:  # TRL's "no truncation", which the engine's examples cannot have
+        mapping["data"]["max_length"] = 1024  # longer than every example: nothing is cut
+    mapping["train"].update(output_dir=str(tmp_path / "engine"), save_final_model=False)
+    run = engine.Run(mapping, model=llama(tokenizer), tokenizer=tokenizer, train_dataset=train)
     run.train()
     return losses(run.state.log_history)
 
@@ -135,15 +141,15 @@ def assert_same_losses(ours, theirs, steps=STEPS):
 
 
 @pytest.mark.parametrize("kind, sft, data", [
-    ("text", {}, {"packing": False}),
-    ("prompt_completion", {}, {"packing": False}),
+    ("text", {}, {"packing": False, "max_length": 1024}),
+    ("prompt_completion", {}, {"packing": False, "train_on_all_tokens": "chat"}),
     ("prompt_completion", {"completion_only_loss": False}, {"packing": False, "train_on_all_tokens": True}),
-    ("chat", {}, {"packing": False, "train_on_all_tokens": True}),
-    ("chat", {"assistant_only_loss": True}, {"packing": False}),
+    ("chat", {}, {"packing": False, "train_on_all_tokens": "chat"}),
+    ("chat", {"assistant_only_loss": True}, {"packing": False, "train_on_all_tokens": False}),
 ])
 def test_unpacked_matches_sft_trainer(tmp_path, tokenizer, kind, sft, data):
     train = rows(kind)
-    assert_same_losses(engine_losses(tmp_path, tokenizer, train, **data),
+    assert_same_losses(engine_losses(tmp_path, tokenizer, train, data, **sft),
                        sft_trainer(tmp_path, tokenizer, train, **sft))
 
 
@@ -152,7 +158,8 @@ def test_generation_blocks_match_sft_trainer(tmp_path):
     tokenizer = chat_tokenizer()
     tokenizer.chat_template = MARKED_FROM_HEADER
     train = rows("chat")
-    assert_same_losses(engine_losses(tmp_path, tokenizer, train, packing=False),
+    assert_same_losses(engine_losses(tmp_path, tokenizer, train, {"train_on_all_tokens": False},
+                                     assistant_only_loss=True),
                        sft_trainer(tmp_path, tokenizer, train, assistant_only_loss=True))
 
 
@@ -161,7 +168,7 @@ def test_bos_of_the_tokenizer_matches_sft_trainer(tmp_path, bos_tokenizer, kind)
     """SFTTrainer encodes text and prompt/completion rows with the tokenizer's special tokens: a bos first."""
     train = rows(kind)
     assert bos_tokenizer(train[0][next(iter(train.column_names))])["input_ids"][0] == bos_tokenizer.bos_token_id
-    assert_same_losses(engine_losses(tmp_path, bos_tokenizer, train, packing=False, add_special_tokens=True),
+    assert_same_losses(engine_losses(tmp_path, bos_tokenizer, train, {"add_special_tokens": True}),
                        sft_trainer(tmp_path, bos_tokenizer, train))
 
 
@@ -174,12 +181,12 @@ EPOCH = {"max_steps": -1, "num_train_epochs": 1, "per_device_train_batch_size": 
 @pytest.mark.parametrize("kind, sft, data", [
     ("text", {"padding_free": True, "max_length": None}, {"packing": False, "padding_free": True}),
     ("chat", {"padding_free": True, "max_length": None, "assistant_only_loss": True},
-     {"packing": False, "padding_free": True}),
+     {"packing": False, "padding_free": True, "train_on_all_tokens": False}),
     ("text", {"packing": True, "max_length": 64}, {"packing": "bfd", "max_length": 64}),
     ("prompt_completion", {"packing": True, "max_length": 64}, {"packing": "bfd", "max_length": 64}),
     ("chat", {"packing": True, "max_length": 64, "assistant_only_loss": True}, {"packing": "bfd", "max_length": 64}),
     ("chat", {"packing": True, "packing_strategy": "bfd_split", "max_length": 16},
-     {"packing": "bfd_split", "max_length": 16, "train_on_all_tokens": True}),
+     {"packing": "bfd_split", "max_length": 16, "train_on_all_tokens": "chat"}),
     ("text", {"packing": True, "packing_strategy": "wrapped", "max_length": 32},
      {"packing": "wrapped", "max_length": 32}),
     ("prompt_completion", {"packing": True, "packing_strategy": "wrapped", "max_length": 32},
@@ -189,7 +196,7 @@ EPOCH = {"max_steps": -1, "num_train_epochs": 1, "per_device_train_batch_size": 
 ])
 def test_packed_matches_sft_trainer(tmp_path, tokenizer, kind, sft, data):
     train = rows(kind)
-    assert_same_losses(engine_losses(tmp_path, tokenizer, train, EPOCH, **data),
+    assert_same_losses(engine_losses(tmp_path, tokenizer, train, data, **EPOCH, **sft),
                        sft_trainer(tmp_path, tokenizer, train, **EPOCH, **sft), steps=None)
 
 

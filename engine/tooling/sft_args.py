@@ -20,8 +20,6 @@ from engine.errors import ConfigError
 from engine.kit.mappings import ACCEPTED, BUILTIN, PLUGIN, REFUSED, Answer, Conversion, accepted, builtin, flag, refused
 
 PEFT_ENABLED_BY = {"peft": "use_peft = true (ModelConfig), or Axolotl's adapter: lora | qlora"}
-# the data's kind, where the source says it: a handbook recipe trains on its datasets' 'messages' column
-CHAT_KINDS = ("dataset_mixer", "dataset_mixture", "chat_template")
 
 
 def data_key(key: str, note: str = "", convert: Any = None, legacy_defaults: tuple[Any, ...] = ()) -> Answer:
@@ -68,25 +66,21 @@ def _read_with(c: Conversion, name: str, value: Any) -> None:
     """A field another field's converter reads (which writes the key once, as that field's value)."""
 
 
-def data_kind(args: dict[str, Any]) -> str | None:
-    """'chat' when the source says its rows are conversations (a handbook recipe), else None (unknown)."""
-    return "chat" if any(args.get(key) for key in CHAT_KINDS) else None
-
-
 def _loss_coverage(c: Conversion, name: str, value: Any) -> None:
-    """TRL: the loss covers the completion only for prompt/completion rows (completion_only_loss None or true),
-    the whole conversation for chat rows unless assistant_only_loss."""
+    """TRL: the loss covers the whole conversation of chat rows unless assistant_only_loss, and the completion of
+    prompt/completion rows unless completion_only_loss is false; data.train_on_all_tokens = "chat" is the default."""
     args = c.arguments
     assistant_only = flag(args.get("assistant_only_loss", False))
     completion_only = args.get("completion_only_loss")
-    if completion_only is not None:
-        flag(completion_only)
-    kind = data_kind(args)
-    c.set("data.train_on_all_tokens", not assistant_only,
-          note="" if kind == "chat" else (
-              "the chat-rows value; for prompt/completion rows TRL trains on the completion only"
-              + (" (completion_only_loss = false: on all tokens): keep true" if completion_only is False
-                 else ": set data.train_on_all_tokens = false for such data")))
+    completion_only = True if completion_only is None else flag(completion_only)
+    if assistant_only and not completion_only:
+        raise ConfigError("assistant_only_loss with completion_only_loss = false (chat rows their assistant turns, "
+                          "prompt/completion rows every token) has no one value: set data.train_on_all_tokens for "
+                          "the run's data (false: assistant turns, true: every token)")
+    coverage = False if assistant_only else "chat" if completion_only else True
+    c.set("data.train_on_all_tokens", coverage, note={
+        False: "the assistant turns and completions only", True: "every token of every row",
+        "chat": "chat rows every token, prompt/completion rows their completion, as SFTTrainer's default"}[coverage])
 
 
 def _dataset_kwargs(c: Conversion, name: str, value: Any) -> None:
@@ -103,6 +97,12 @@ def _dataset_kwargs(c: Conversion, name: str, value: Any) -> None:
         else:
             c.lose(f"{name}.{key} = {json.dumps(item, default=str)}",
                    "no counterpart: the engine prepares the dataset itself (data.add_special_tokens is the one key)")
+
+
+def _special_token(c: Conversion, name: str, value: Any) -> None:
+    """SFTConfig's eos_token / pad_token; its defaults '<EOS_TOKEN>' and '<PAD_TOKEN>' stand for the tokenizer's own."""
+    if value is not None and value != f"<{name.upper()}>":
+        c.set(f"data.{name}", value)
 
 
 def _truncation_mode(c: Conversion, name: str, value: Any) -> None:
@@ -243,13 +243,13 @@ SFT_FIELDS: dict[str, Answer] = {
     "completion_only_loss": data_key("train_on_all_tokens", convert=_read_with, note=(
         "with assistant_only_loss: false = loss on the completion / assistant turns only")),
     "assistant_only_loss": data_key("train_on_all_tokens", convert=_loss_coverage, note=(
-        "true -> train_on_all_tokens = false; TRL's default trains chat rows on the whole conversation")),
+        "TRL's default: 'chat' (chat rows learn every token); true -> false")),
     "dataset_text_field": data_key("text_column"),
     "dataset_num_proc": data_key("num_proc"),
     "dataset_kwargs": Answer(ACCEPTED, ("data.add_special_tokens",), convert=_dataset_kwargs,
                              note="add_special_tokens -> data.add_special_tokens; other keys have no counterpart"),
-    "eos_token": data_key("eos_token"),
-    "pad_token": data_key("pad_token"),
+    "eos_token": data_key("eos_token", convert=_special_token, note="TRL's '<EOS_TOKEN>': the tokenizer's own"),
+    "pad_token": data_key("pad_token", convert=_special_token, note="TRL's '<PAD_TOKEN>': the tokenizer's own"),
     "chat_template_path": data_key("chat_template", convert=_chat_template, note="a template file or a known name"),
     "truncation_mode": data_key("truncation", convert=_truncation_mode, note="'keep_start' only"),
     "model_init_kwargs": refused("no [train] key passes from_pretrained keywords; a plugin's model_load_kwargs hook "
@@ -354,6 +354,9 @@ def sft_defaults() -> dict[str, Any]:
                 defaults[f.name] = f.default
             elif f.default_factory is not dataclasses.MISSING:
                 defaults[f.name] = f.default_factory()
+    # as a dump holds the fields it rewrites (hub_token masked, accelerator_config filled in, debug a list)
+    defaults.update(json.loads(SFTConfig(output_dir="trainer_output", bf16=False).to_json_string()))
+    defaults["bf16"] = None
     return json.loads(json.dumps(defaults, default=str))
 
 

@@ -68,8 +68,10 @@ class DataOptions:
         "kept within each (TRL's padding_free; 'document', 'bfd' and 'bfd_split' packing always are)"))
     truncation: Literal["truncate", "drop"] = option("truncate", help=(
         "examples longer than max_length (packing false, 'document' or 'bfd'): cut, or left out; counts are logged"))
-    train_on_all_tokens: bool = option(False, help=(
-        "chat and prompt/completion data: learn every token, not only the assistant / completion ones"))
+    train_on_all_tokens: bool | Literal["chat"] = option(False, help=(
+        "chat and prompt/completion data (and the prompt formats): learn every token, not only the assistant / "
+        "completion / response ones; 'chat': chat rows every token, the others their response only (TRL "
+        "SFTTrainer's default: assistant_only_loss false, completion_only_loss true)"))
     num_proc: int | None = option(None, min=1, help=(
         "processes for tokenizing (default: one per core up to 8 from 50,000 rows, else 1)"))
     cache_dir: str | None = option(None, help="where datasets caches files and tokenized data (default: HF_DATASETS_CACHE)")

@@ -75,17 +75,18 @@ def _tokenize_and_shape(rows: Any, kind: str, data: DataConfig, tokenizer: PreTr
                               "tokens to learn); this one is slow")
         if kind == "chat" and not getattr(tokenizer, "chat_template", None):
             raise no_chat_template(key, data)
+        all_tokens = data.train_on_all_tokens is True or (data.train_on_all_tokens == "chat" and kind == "chat")
         step = format_encoder(kind, data, functools.partial(_eos_id, tokenizer))  # a prompt format's rows
         if step is not None:
             function, name, settings = step
             encoded = pipeline.map(rows, function, name, with_indices=True, tokenizer=tokenizer,
-                                   all_tokens=data.train_on_all_tokens, key=key, **settings)
+                                   all_tokens=all_tokens, key=key, **settings)
         elif kind == "chat":
             encoded = pipeline.map(rows, _encode_chat, "render chat and tokenize", with_indices=True,
-                                   tokenizer=tokenizer, all_tokens=data.train_on_all_tokens, key=key)
+                                   tokenizer=tokenizer, all_tokens=all_tokens, key=key)
         else:
             encoded = pipeline.map(rows, _encode_completion, "tokenize prompt/completion", with_indices=True,
-                                   tokenizer=tokenizer, all_tokens=data.train_on_all_tokens,
+                                   tokenizer=tokenizer, all_tokens=all_tokens,
                                    eos=_eos_id(tokenizer), key=key, special_tokens=data.add_special_tokens)
     return shape_examples(encoded, data, key, pipeline) if shape else encoded
 
