@@ -350,3 +350,13 @@ def test_the_axolotl_alpaca_example_runs_unchanged_after_engine_migrate(tmp_path
     evaluations = [row["eval_loss"] for row in run.state.log_history if "eval_loss" in row]
     assert len(evaluations) == 8 and evaluations[-1] < evaluations[0]
     assert (tmp_path / "out" / "adapter_model.safetensors").exists()
+
+
+def test_an_axolotl_template_name_the_engine_has_not_is_lost_with_the_fix():
+    migration = migrate({"base_model": "m", "chat_template": "qwen_25", "datasets": [{"path": "d", "type": "chat_template"}]},
+                        kind="axolotl")
+    assert "chat_template" not in migration.sections["data"]
+    (why,) = [why for what, why in migration.lost if what.startswith("chat_template = ")]
+    assert "known: chatml, zephyr, llama3, tokenizer_default" in why and "chat_template_jinja" in why
+    assert migrate({"base_model": "m", "chat_template": "llama3"}, kind="axolotl").sections["data"]["chat_template"] == \
+        "llama3"

@@ -105,8 +105,13 @@ def _chat_template_jinja(c: Conversion, name: str, value: Any) -> None:
 
 
 def _chat_template(c: Conversion, name: str, value: Any) -> None:
+    from engine.builtin.data.templates import KNOWN_NAMES
+
     if value is None or value == "jinja":  # jinja: chat_template_jinja holds it
         return
+    if value not in KNOWN_NAMES:
+        raise ConfigError(f"no engine template has that name (known: {', '.join(KNOWN_NAMES)}); give its Jinja as "
+                          "chat_template_jinja (Axolotl's templates/<name>.jinja), or a file as data.chat_template")
     c.set("data.chat_template", value, note="Axolotl's template name")
 
 
