@@ -86,7 +86,8 @@ def test_plugins_lists_builtins_and_hooks():
 
 
 def test_default_run_trains_and_the_loss_falls(tmp_path):
-    """The embedded default run (shortened): tiny Llama, tokenizer trained on Python's docstrings."""
+    """The embedded default run (shortened): tiny Llama, tokenizer trained on Python's docstrings. Its console
+    holds the engine's lines only: nothing a library prints while it loads or saves."""
     result = engine("train", "--set", f"train.output_dir={tmp_path}", "--set", "train.max_steps=150",
                     "--set", "train.eval_steps=75", "--set", "train.save_steps=75", "--set", "train.logging_steps=10")
     assert result.returncode == 0, result.stderr
@@ -99,3 +100,6 @@ def test_default_run_trains_and_the_loss_falls(tmp_path):
     assert losses[0] > 6.0 and losses[-1] < losses[0] - 1.0, losses
     assert len(evals) == 2 and evals[-1] < evals[0]
     assert "step 150: loss=" in result.stdout
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    foreign = [line for line in lines if not line.startswith(("engine: ", "step "))]
+    assert foreign == [], foreign

@@ -529,18 +529,6 @@ def test_a_world_size_without_its_launcher_is_refused(cli, tmp_path, monkeypatch
 # ---------------------------------------------------------------------------- a quiet start
 
 
-def test_the_default_run_prints_only_the_engines_lines(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "engine", "train", "--set", f"train.output_dir={tmp_path}/out",
-                             "--set", "train.max_steps=20", "--set", "train.eval_steps=10",
-                             "--set", "train.save_steps=10", "--set", "train.logging_steps=10"],
-                            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stderr
-    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
-    foreign = [line for line in lines if not line.startswith(("engine: ", "step "))]
-    assert foreign == [], foreign
-    assert any(line.startswith("engine: saved the final model") for line in lines)
-
-
 @pytest.mark.parametrize("level", ["info", "debug"])
 def test_log_level_info_shows_the_engines_lines_not_transformers_file_chatter(tmp_path, level):
     """At "info" transformers would print the model config and each file at every save the engine makes (and
