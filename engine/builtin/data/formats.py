@@ -293,12 +293,18 @@ def peekable_sources(data: DataConfig) -> Iterable[tuple[str, str, str]]:
             yield key, source, split
 
 
-def check_rows(data: DataConfig, key: str, source: str, split: str) -> str:
+def check_rows(data: DataConfig, key: str, source: str, split: str) -> str | None:
     """The kind of ``source``'s rows (:func:`data_kind`), read from its first rows without loading it all. Unless
     ``data.format`` is 'auto', the first :data:`PLAN_ROWS` rows are read as it says: its columns there, each
-    row's values of the format's shape (refused as a :class:`BadRow` counted from 0)."""
-    peek = load_source(source, dataclasses.replace(data, streaming=True), key, split)
-    kind = data_kind(peek, data, key)
+    row's values of the format's shape (refused as a :class:`BadRow` counted from 0). With 'auto', rows that
+    cannot be read give None: they are refused where the data loads, after the checks that come first."""
+    try:
+        peek = load_source(source, dataclasses.replace(data, streaming=True), key, split)
+        kind = data_kind(peek, data, key)
+    except ConfigError:
+        if data.format != "auto":
+            raise
+        return None
     batch = None if data.format == "auto" else next(iter(peek.take(PLAN_ROWS).iter(batch_size=PLAN_ROWS)), None)
     if batch is not None:
         _check_batch(batch, list(range(len(next(iter(batch.values()))))), kind, data, key)
