@@ -174,8 +174,8 @@ def test_trl_sft_command_lines():
     assert (train["learning_rate"], train["per_device_train_batch_size"], train["gradient_accumulation_steps"],
             train["eval_steps"], train["activation_checkpointing"]) == (2e-5, 2, 8, 100, True)
     assert "peft" not in full.plugins and "hub" in full.plugins
-    assert lora.sections["peft"] == {"r": 32, "lora_alpha": 16.0, "lora_dropout": 0.05, "use_dora": False,
-                                     "bnb_4bit_use_double_quant": False}
+    # no 4-bit base: TRL's bnb defaults are not written (the peft plugin refuses them without quantize)
+    assert lora.sections["peft"] == {"r": 32, "lora_alpha": 16.0, "lora_dropout": 0.05, "use_dora": False}
 
 
 def test_an_sftconfig_and_a_modelconfig_object():
@@ -277,6 +277,22 @@ def test_the_axolotl_lora_run_trains_alpaca_rows(tmp_path, tokenizer):
                   model=tiny_model(vocab_size=len(tokenizer)), tokenizer=tokenizer, max_length=200)
     assert run.config.data.format == "alpaca" and run.config.data.packing == "bfd"
     assert type(run.optimizer).__module__.startswith("bitsandbytes")  # adamw_8bit, through the bnb plugin
+
+
+@pytest.mark.parametrize("recipe", [SMOLLM, TRL_FULL, TRL_LORA, AXOLOTL_QLORA], ids=lambda path: path.stem)
+def test_every_other_vendored_file_trains_a_few_steps(recipe, tmp_path, tokenizer):
+    """The SmolLM mixture recipe, TRL's two sft.py command lines (bfd packing, LoRA) and Axolotl's QLoRA example,
+    each migrated, with local rows of its format and a tiny model in place of the Hub's."""
+    mapping = converted(recipe).mapping
+    model = tiny_model(vocab_size=len(tokenizer))
+    if mapping.get("peft", {}).get("quantize"):  # a 4-bit base loads from a saved folder
+        model.save_pretrained(tmp_path / "base")
+        mapping["train"]["model"], model = str(tmp_path / "base"), None
+    mapping["data"].pop("pad_token", None)  # Llama 3's, which the tiny tokenizer has not
+    alpaca = mapping["data"].get("format") == "alpaca"
+    rows = write_jsonl(tmp_path / "rows.jsonl", alpaca_rows() if alpaca else chat_rows())
+    run = trained(mapping, tmp_path, rows, model=model, tokenizer=tokenizer, max_length=200 if alpaca else 64)
+    assert run.config.data.max_length == (200 if alpaca else 64)
 
 
 # ---------------------------------------------------------------------------- the tables, bad input

@@ -138,8 +138,14 @@ def _quantize(c: Conversion, name: str, value: Any) -> None:
               note="QLoRA's base quantized by bitsandbytes: train.model must be a saved model folder")
 
 
-def _nested_quant(c: Conversion, name: str, value: Any) -> None:
-    c.set("peft.bnb_4bit_use_double_quant", flag(value))
+def _four_bit_option(key: str) -> Any:
+    """A converter writing ``peft.<key>`` when the base loads in 4 bits (TRL ignores it otherwise, and the peft
+    plugin refuses it without ``quantize``)."""
+    def convert(c: Conversion, name: str, value: Any) -> None:
+        if not flag(c.arguments.get("load_in_4bit", False)):
+            raise ConfigError("an option of the 4-bit base, which load_in_4bit does not ask for")
+        c.set(f"peft.{key}", flag(value) if isinstance(value, bool) else value)
+    return convert
 
 
 def _dtype(c: Conversion, name: str, value: Any) -> None:
@@ -291,9 +297,10 @@ MODEL_FIELDS: dict[str, Answer] = {
     "use_dora": peft_key("use_dora"),
     "load_in_4bit": peft_key("quantize", convert=_quantize, note="true -> quantize = '4bit' (QLoRA)"),
     "load_in_8bit": peft_key("quantize", convert=_quantize, note="true -> quantize = '8bit'"),
-    "bnb_4bit_quant_type": peft_key("bnb_4bit_quant_type"),
-    "use_bnb_nested_quant": peft_key("bnb_4bit_use_double_quant", convert=_nested_quant,
-                                     note="TRL's default false is written: the plugin's is true"),
+    "bnb_4bit_quant_type": peft_key("bnb_4bit_quant_type", convert=_four_bit_option("bnb_4bit_quant_type")),
+    "use_bnb_nested_quant": peft_key("bnb_4bit_use_double_quant",
+                                     convert=_four_bit_option("bnb_4bit_use_double_quant"),
+                                     note="with load_in_4bit, TRL's default false is written: the plugin's is true"),
     "lora_target_parameters": refused("peft's target_parameters (MoE expert weights) is not a [peft] key"),
     "bnb_4bit_quant_storage": refused("the 4-bit weights are stored as bitsandbytes packs them (uint8)"),
     # older ModelConfig and the handbook's ModelArguments
