@@ -57,6 +57,13 @@ class TrainingPreempted(EngineError):
     exit_status = 143
 
 
+class TrialPruned(EngineError):
+    """A hyper-parameter search's pruner stopped this trial at an evaluation. Not bad input: run.json
+    records status "pruned" and the CLI exits with status 4, so the search tells it from a failed trial."""
+
+    exit_status = 4
+
+
 class RestartTraining(Exception):
     """Raised from a training step to start training again from where it started.
 

@@ -68,7 +68,7 @@ ISOLATED_HOOKS = ("log_hyperparams", "log_metrics", "log_samples", "log_finish",
 # entry-point group ``engine.commands`` while a command line is read) and the mappings that
 # ``engine migrate`` and ``--accelerate-config`` ask of an installed plugin, enabled or not.
 TOOLING_HOOKS = ("register_commands", "add_run_arguments", "edit_run_config", "convert_run_config", "trainer_argument_mappings",
-                 "accelerate_mappings")
+                 "accelerate_mappings", "hyperparameter_search")
 # Hooks every run needs answered: blocking the builtin that answers one ("-builtin.steps" in
 # ``plugins``) without enabling another plugin that does is refused while the run is composed.
 REQUIRED_HOOKS = ("create_strategy", "create_datasets", "create_train_loader", "create_optimizer", "create_scheduler",

@@ -60,7 +60,7 @@
         on_train_exit(run, status)                                # also when training raised
         undo patches (reverse order)
         log_finish(run, status)                                   # also when training raised
-        record the status (finished, failed, diverged, interrupted); unlock output_dir
+        record the status (finished, failed, diverged, interrupted, pruned); unlock output_dir
 
     evaluate(run, dataset, prefix, report, in_training)           # builtin: engine/builtin/evaluation.py
         on_eval_mode(run)
@@ -98,7 +98,7 @@ import time
 from typing import Any
 
 from . import checkpoint, rundir
-from .errors import RestartTraining, TrainingDiverged, TrainingPreempted
+from .errors import RestartTraining, TrainingDiverged, TrainingPreempted, TrialPruned
 from .interval import Interval
 from .loss import count_items
 from .state import Control, RunView, TrainState
@@ -121,6 +121,9 @@ def train(run: RunView) -> dict[str, float]:
         return summary
     except TrainingDiverged:
         status = "diverged"
+        raise
+    except TrialPruned:
+        status = "pruned"
         raise
     except (KeyboardInterrupt, TrainingPreempted):
         status = "interrupted"

@@ -91,6 +91,7 @@ class Run:
         optimizers: tuple[Any, Any] | None = None,
         optimizer_cls_and_kwargs: tuple[type, dict[str, Any]] | None = None,
     ):
+        self.arguments = {name: value for name, value in locals().items() if name != "self"}  # a search's trials
         quiet_known_noise()  # before the plugins (and the libraries they import) load
         if isinstance(config, (str, Path)):
             raw = cfg.read_run_file(config)
@@ -326,6 +327,16 @@ class Run:
             return None
         prepared = self.hook.prepare_dataset(run=self, dataset=dataset, key=key)
         return dataset if prepared is None else prepared
+
+    def hyperparameter_search(self, hp_space: Callable[[Any], dict[str, Any]] | None = None,
+                              compute_objective: Callable[[dict[str, float]], Any] | None = None, n_trials: int = 20,
+                              direction: str | list[str] = "minimize", backend: str | None = None,
+                              hp_name: Callable[[Any], str] | None = None, **kwargs: Any) -> Any:
+        """``Trainer.hyperparameter_search``: each trial a run in ``output_dir/run-<n>``; returns ``BestRun`` (a list
+        for several directions), through the tooling's ``hyperparameter_search`` hook (engine/tooling/search.py)."""
+        return command_hooks().hyperparameter_search(
+            run=self, hp_space=hp_space, compute_objective=compute_objective, n_trials=n_trials, direction=direction,
+            backend=backend, hp_name=hp_name, kwargs=kwargs)
 
     def plan(self) -> str:
         """The composed run as text: plugins, hook call order, the full config."""

@@ -329,8 +329,8 @@ class Claim:
         self.record = record
 
     def finish(self, status: str, switched_off: dict[str, str] | None = None) -> None:
-        """Record how the run ended ("finished", "failed", "diverged", "interrupted") and which
-        plugins were switched off after a failure, and unlock."""
+        """Record how the run ended ("finished", "failed", "diverged", "interrupted", "pruned") and
+        which plugins were switched off after a failure, and unlock."""
         if self.lock is None:
             return
         try:

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Literal
 
 from engine import hookimpl
 from engine.catalogue import UNSUPPORTED_OPTIMIZERS, provider_of
+from engine.config import option
 from engine.errors import ConfigError
 from engine.kit.mappings import (ACCEPTED, BUILTIN, PLUGIN, REFUSED, Answer, Conversion, accepted, builtin, flag,
                                  load_json, plugin, plugin_mappings, refused, unavailable, write)
@@ -52,6 +53,18 @@ ENABLED_BY = {
     "fsdp": "fsdp", "deepspeed": "deepspeed", "ddp": "a run on several processes without fsdp or deepspeed",
     **{tracker: f"report_to {tracker!r}" for tracker in TRACKERS},
 }
+
+
+@dataclasses.dataclass
+class SearchOptions:
+    """``[train]`` keys of ``Run.hyperparameter_search`` (engine/tooling/search.py), which no run reads itself."""
+
+    ray_scope: Literal["last", "all", "avg", "last-5-avg", "last-10-avg"] | None = option(None, shared=True, help=(
+        "the Ray backend of Run.hyperparameter_search ranks trials by their last objective ('last'), their best "
+        "('all') or an average (Ray's get_best_result scope); default: $RAY_SCOPE, else 'last'"))
+
+
+TRAIN_OPTIONS = SearchOptions  # engine.config.TrainConfig has them
 
 
 # ---------------------------------------------------------------------------- converters
@@ -384,7 +397,8 @@ LEGACY: dict[str, Answer] = _named({
     "use_ipex": Answer(REFUSED, legacy_defaults=(False,), note="Intel Extension for PyTorch is not supported"),
     "jit_mode_eval": Answer(REFUSED, legacy_defaults=(False,), note="no TorchScript evaluation"),
     "past_index": Answer(REFUSED, legacy_defaults=(-1,), note="no past/mems inputs (Transformer-XL, XLNet)"),
-    "ray_scope": Answer(REFUSED, legacy_defaults=("last",), note="no hyper-parameter search"),
+    "ray_scope": dataclasses.replace(accepted(note="read by Run.hyperparameter_search(backend='ray')"),
+                                     legacy_defaults=("last",)),
     "mp_parameters": Answer(REFUSED, legacy_defaults=("",), note="no SageMaker model parallelism"),
     "use_legacy_prediction_loop": Answer(REFUSED, legacy_defaults=(False,), note="one prediction loop"),
     "dispatch_batches": Answer(REFUSED, legacy_defaults=(None,), note="no Accelerate dataloader dispatching"),

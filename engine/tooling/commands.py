@@ -3,7 +3,8 @@
 
 A plugin of the entry-point group ``engine.commands`` (the engine's pyproject.toml), asked by
 every ``engine`` command line through ``register_commands``, ``add_run_arguments`` and
-``edit_run_config``, and by ``Run(config)`` through ``convert_run_config``. Only argparse loads here: each command imports its code when it runs, so
+``edit_run_config``, and by ``Run(config)`` through ``convert_run_config`` (``Run.hyperparameter_search`` through
+``hyperparameter_search``). Only argparse loads here: each command imports its code when it runs, so
 ``engine --help`` stays fast.
 """
 
@@ -37,13 +38,29 @@ def register_commands(commands: Any) -> None:
     migrate.set_defaults(handler=_migrate)
     report = commands.add_parser("report", help=(
         "write report.md, report.html and curves (report-*.png) for a run's output_dir; for several, one "
-        "report comparing them (curves overlaid, differing config keys, final metrics)"))
-    report.add_argument("output_dirs", nargs="+", metavar="OUTPUT_DIR", help="a run's train.output_dir")
+        "report comparing them (curves overlaid, differing config keys, final metrics); for a sweep folder "
+        "(engine sweep), its trials side by side, Optuna's plots and the top trials' curves"))
+    report.add_argument("output_dirs", nargs="+", metavar="OUTPUT_DIR", help=(
+        "a run's train.output_dir, or one sweep folder (it holds sweep.json)"))
     report.add_argument("--out", metavar="DIR", help=(
         "where the report goes (default: the output_dir of one run; the current folder for several)"))
     report.add_argument("--size", default="800x450", metavar="WxH", help="size of each curve in pixels")
     report.add_argument("--no-plots", action="store_true", help="no curves (report.md and report.html only)")
     report.set_defaults(handler=_report)
+    from engine.tooling.sweep import add_command
+
+    add_command(commands, handler=_sweep)
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    """``engine sweep``: the search of the backend asked (engine/tooling/sweep.py, sweep_ray.py)."""
+    from engine.tooling.sweep import OptunaSearch, run
+
+    if args.backend == "ray":
+        from engine.tooling.sweep_ray import RaySearch
+
+        return run(args, RaySearch)
+    return run(args, OptunaSearch)
 
 
 @hookimpl
@@ -80,6 +97,16 @@ def convert_run_config(config: Any) -> dict[str, Any] | None:
             "Run(%s): not carried over: %s (engine.migrate(args).report() says why)",
             migration.source, "; ".join(lost))
     return migration.mapping
+
+
+@hookimpl
+def hyperparameter_search(run: Any, hp_space: Any, compute_objective: Any, n_trials: int, direction: Any,
+                          backend: str | None, hp_name: Any, kwargs: dict[str, Any]) -> Any:
+    """``Run.hyperparameter_search``: Trainer's search with optuna or Ray Tune, each trial a run."""
+    from engine.tooling import search
+
+    return search.hyperparameter_search(run, hp_space, compute_objective, n_trials, direction, backend, hp_name,
+                                        kwargs)
 
 
 # ---------------------------------------------------------------------------- engine plugins new / --check
@@ -160,10 +187,15 @@ def _migrate(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     from engine.builtin.report_writer import write_report
+    from engine.tooling.sweep_report import sweep_in, write_sweep_report
 
     size = parse_size(args.size)
     out = args.out if args.out is not None or len(args.output_dirs) == 1 else "."
-    path = write_report(args.output_dirs, out, size=size, plots=not args.no_plots)
+    sweep = sweep_in(args.output_dirs)
+    if sweep is not None:
+        path = write_sweep_report(sweep, out, size=size, plots=not args.no_plots)
+    else:
+        path = write_report(args.output_dirs, out, size=size, plots=not args.no_plots)
     print(f"wrote {path} and {path.with_suffix('.html')}")
     return 0
 

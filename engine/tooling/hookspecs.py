@@ -30,3 +30,27 @@ def accelerate_mappings() -> dict[str, Any] | None:
         def accelerate_mappings():
             return {"fsdp_config": nested("fsdp", "FSDP", "an FSDP setting", FSDP_CONFIG)}
     """
+
+
+# ------------------------------------------------------------ engine.tooling.search
+
+
+@hookspec(firstresult=True)
+def hyperparameter_search(run: Any, hp_space: Any, compute_objective: Any, n_trials: int, direction: Any,
+                          backend: str | None, hp_name: Any, kwargs: dict[str, Any]) -> Any:
+    """``Run.hyperparameter_search``: Trainer's search over runs made like ``run``.
+
+    **When**: by :meth:`engine.Run.hyperparameter_search`, on the plugins of the entry-point group
+    ``engine.commands``. **Combine**: firstresult: what the search returns (Trainer's ``BestRun``, or a
+    list of them for several directions). The arguments are Trainer's; ``kwargs`` go to the backend
+    (``optuna.create_study`` / ``study.optimize``, ``ray.tune.Tuner``). The engine's tooling answers it
+    (engine/tooling/search.py) with the backends ``optuna`` and ``ray``.
+
+    Example::
+
+        @hookimpl
+        def hyperparameter_search(run, hp_space, compute_objective, n_trials, direction, backend, hp_name,
+                                  kwargs):
+            if backend == "grid":
+                return my_grid_search(run, hp_space, n_trials)
+    """
