@@ -14,15 +14,13 @@ CONTRIB=(contrib/*/)  # third-party-style plugins, each its own distribution
 
 install() {
     "$PY" -m pip install --upgrade pip &&
-    # --no-compile: no byte-compiling of every module of torch, ray, ... at install (minutes on 2 cores);
-    # Python compiles what is imported, once, on first import.
-    # The CPU build of torch first (constraints.txt pins it): an unpinned torch would pull a
+    # the CPU build of torch first (constraints.txt pins it): an unpinned torch would pull a
     # multi-GB CUDA build
-    "$PY" -m pip install --no-compile -c constraints.txt torch &&
+    "$PY" -m pip install -c constraints.txt torch &&
     # deepspeed (for plugins/deepspeed) builds against the installed torch, so without build
     # isolation, and compiles no ops now (DS_BUILD_OPS=0): the one it needs on CPU is built below
-    DS_BUILD_OPS=0 "$PY" -m pip install --no-compile --no-build-isolation -c constraints.txt deepspeed &&
-    "$PY" -m pip install --no-compile -c constraints.txt "$@" &&
+    DS_BUILD_OPS=0 "$PY" -m pip install --no-build-isolation -c constraints.txt deepspeed &&
+    "$PY" -m pip install -c constraints.txt "$@" &&
     # DeepSpeed JIT-compiles its shared-memory op on first use on CPU (~1 min); compile it once
     # into the venv, where the deepspeed tests point TORCH_EXTENSIONS_DIR
     TORCH_EXTENSIONS_DIR="$VENV/torch_extensions" "$PY" -c 'from deepspeed.accelerator import get_accelerator

@@ -97,6 +97,9 @@ class Sweep:
         if self.space.sampler == "grid":
             self.grid = [dict(zip(self.space.grid(), values)) for values in itertools.product(*self.space.grid().values())]
             self.n_trials = min(self.n_trials, len(self.grid))
+            if args.trials > self.n_trials:
+                print(f"engine sweep: the grid has {self.n_trials} combinations: {self.n_trials} trials, not "
+                      f"{args.trials}", file=sys.stderr)
         self._check(base_run)
         self.settings = {
             "kind": "engine sweep", "backend": args.backend, "run_file": args.run_file, "base": self.base,
