@@ -44,30 +44,6 @@ STUDY_NAME = "sweep"
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal a child gets when the process that started it dies
 
 
-def add_command(commands: Any, handler: Any) -> None:
-    from engine.cli import _add_run_arguments
-
-    sweep = commands.add_parser("sweep", help=(
-        "search hyper-parameters: each trial an ordinary run (trial-<n>/ in the sweep folder) with values from "
-        "--space; Optuna with its study in the sweep folder, or Ray Tune; a killed sweep continues"))
-    _add_run_arguments(sweep)
-    sweep.add_argument("--space", required=True, metavar="SPACE.toml", help=(
-        "the keys to vary, shaped like the run file: [train] learning_rate = { low = 1e-5, high = 1e-2, "
-        "log = true }; settings objective, direction, sampler, seed, pruner (engine/tooling/space.py)"))
-    sweep.add_argument("--trials", type=int, default=10, metavar="N", help="trials in all (default 10)")
-    sweep.add_argument("--backend", default="optuna", choices=("optuna", "ray", "wandb"), help=(
-        "optuna (default: its SQLite study in the sweep folder) or ray (Ray Tune on the cluster RAY_ADDRESS "
-        "names, else a local one; its search is random or grid: TPE is Optuna's, pruning is ASHA)"))
-    sweep.add_argument("--jobs", type=int, default=1, metavar="K", help="trials running at once (default 1)")
-    sweep.add_argument("--trial-processes", type=int, default=1, metavar="P", help=(
-        "processes per trial, launched with torchrun (a distributed strategy plugin in the run: ddp, fsdp, ...)"))
-    sweep.add_argument("--out", metavar="DIR", help="the sweep folder (default: the run's train.output_dir)")
-    sweep.add_argument("--interrupted", default="resume", choices=("resume", "rerun"), help=(
-        "a trial that was running when the sweep was killed: resume it from its last checkpoint (default) "
-        "or run it again from the start"))
-    sweep.set_defaults(handler=handler)
-
-
 # ---------------------------------------------------------------------------- the settings, checked
 
 
