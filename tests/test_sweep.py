@@ -142,6 +142,12 @@ def test_a_bad_space_is_one_line_and_writes_nothing(tmp_path, capsys, space, mes
     assert not out.exists()
 
 
+def test_a_missing_space_file_is_named_as_the_space(tmp_path, capsys):
+    assert main(sweep_command(base_run(tmp_path / "base"), tmp_path / "nope.toml", tmp_path / "sweep")) == 2
+    assert capsys.readouterr().err == f"engine: error: --space: space file not found: {tmp_path / 'nope.toml'}\n"
+    assert not (tmp_path / "sweep").exists()
+
+
 def test_an_objective_without_evaluations_is_refused(tmp_path, capsys):
     out = tmp_path / "sweep"
     run_file = base_run(tmp_path / "base", eval_strategy="no")

@@ -130,7 +130,10 @@ def as_overrides(params: dict[str, Any]) -> list[str]:
 
 def read_space(path: str | Path) -> Space:
     """The space file at ``path``, checked: every error is one line naming the file and the key."""
-    raw = read_run_file(path)
+    try:
+        raw = read_run_file(path)
+    except ConfigError as exc:  # read as a run file is: its messages name a run file
+        raise ConfigError(f"--space: {str(exc).replace('run file', 'space file')}") from None
     where = Path(path).name
     unknown = [key for key, value in raw.items() if not isinstance(value, dict) and key not in SETTINGS]
     if unknown:
