@@ -1,5 +1,6 @@
 """Helpers for plugin authors' tests: a tiny model and dataset, short runs, a hook recorder, what a
-run logged (to compare trackers with), launching several processes with torchrun, and the two
+run logged (to compare trackers with), a tracker's checks (a failure mid-run is harmless, a resume
+continues its run, no secret written), launching several processes with torchrun, and the two
 checks every optimizer plugin makes: resuming is exact, and the optimizer is Trainer's.
 
 Example (a whole plugin test)::
@@ -155,6 +156,87 @@ def logged_scalars(output_dir: str | Path) -> dict[tuple[str, int], float]:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 found[name, step] = float(value)
     return found
+
+
+class FailAt:
+    """A plugin object that calls ``fail()`` at the end of optimizer step ``step``: an outage injected
+    in the middle of a run (kill a server, make a client's call raise or hang)."""
+
+    name = "fail-at"
+
+    def __init__(self, step: int, fail: Callable[[], Any]):
+        self.step, self.fail = step, fail
+
+    @hookimpl
+    def on_step_end(self, run):
+        if run.state.global_step == self.step:
+            self.fail()
+
+
+def assert_tracker_failure_is_harmless(plugin: str, output_dir: str | Path, fail: Callable[[], Any], *,
+                                       steps: int = 6, at: int = 3,
+                                       sections: dict[str, dict[str, Any]] | None = None) -> Run:
+    """Assert that a tracker failing mid-run changes nothing in training.
+
+    Trains ``steps`` steps without ``plugin`` (``output_dir/plain``), then with it
+    (``output_dir/tracked``), calling ``fail()`` after step ``at`` (:class:`FailAt`). Asserts the
+    same final weights and as many logged rows, exactly one warning ``plugin '<plugin>': ...``
+    (it is switched off), and ``run.json`` saying the run finished with ``plugin`` switched off.
+    Returns the tracked run, for the plugin's own checks of what reached its service.
+    """
+    import json
+    import logging
+
+    output_dir = Path(output_dir)
+    plain = run_steps(steps, output_dir=output_dir / "plain")
+    warnings: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                warnings.append(record.getMessage())
+
+    handler = Collect()
+    logging.getLogger("engine").addHandler(handler)
+    try:
+        tracked = run_steps(steps, [plugin], objects=[FailAt(at, fail)], output_dir=output_dir / "tracked",
+                            sections=sections)
+    finally:
+        logging.getLogger("engine").removeHandler(handler)
+    assert same_weights(plain.model, tracked.model) == [], "the tracker's failure changed the weights"
+    switched_off = [message for message in warnings if message.startswith(f"plugin {plugin!r}: ")]
+    assert len(switched_off) == 1, warnings
+    record = json.loads((output_dir / "tracked" / "run.json").read_text(encoding="utf-8"))
+    assert record["status"] == "finished" and list(record["switched_off"]) == [plugin], record
+    assert len(logged_scalars(output_dir / "tracked")) == len(logged_scalars(output_dir / "plain"))
+    return tracked
+
+
+def run_and_resume(plugins: list[str], output_dir: str | Path, *, steps: int = 4, save_at: int = 2,
+                   sections: dict[str, dict[str, Any]] | None = None) -> dict[tuple[str, int], float]:
+    """Train ``save_at`` steps with a checkpoint, then resume from it to ``steps`` in the same
+    ``output_dir`` (a new :class:`Run`, as a restarted process would); return what ``metrics.jsonl``
+    holds then (:func:`logged_scalars`, one row per step ``1..steps``): the rows a tracker that
+    continues its run on resume shows, read back to compare."""
+    output_dir = Path(output_dir)
+    save = {"save_strategy": "steps", "save_steps": save_at}
+    run_steps(save_at, plugins, output_dir=output_dir, sections=sections, train=save)
+    run_steps(steps, plugins, output_dir=output_dir, sections=sections, model=tiny_model(seed=1),
+              train={**save, "resume_from_checkpoint": str(output_dir / f"checkpoint-{save_at}")})
+    reference = logged_scalars(output_dir)
+    assert {step for _, step in reference} == set(range(1, steps + 1)), sorted(reference)
+    return reference
+
+
+def assert_not_written(secret: str, folders: list[str | Path], *texts: str) -> None:
+    """Assert that ``secret`` (an API key) is in no file under ``folders`` and in none of ``texts``
+    (captured output)."""
+    for text in texts:
+        assert secret not in text, "the secret was printed"
+    for folder in folders:
+        for path in Path(folder).rglob("*"):
+            if path.is_file():
+                assert secret.encode() not in path.read_bytes(), f"the secret was written to {path}"
 
 
 def assert_one_line_error(result: Any, fragment: str) -> None:

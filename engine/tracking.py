@@ -3,7 +3,8 @@
 * :func:`flatten_config` turns the composed config into flat ``"train.learning_rate"`` keys
   whose values a tracker accepts, within its limits on key and value length.
 * :func:`scalar_metrics` keeps the numbers of a ``log_metrics`` call (trackers plot scalars).
-* :func:`samples_table` renders a ``log_samples`` call as a markdown table (text trackers show).
+* :func:`samples_table` renders a ``log_samples`` call as a markdown table (text trackers show);
+  :func:`sample_rows` as columns and rows of text (trackers with tables).
 * :func:`tracker_run_name` is the run's name for a tracker (``train.run_name`` or output_dir's).
 * :func:`wait_for_server` asks a server whether it answers before a network client starts, for a
   bounded time and with a line on screen (clients retry for minutes, or wait forever).
@@ -93,6 +94,21 @@ def samples_table(samples: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+SAMPLE_COLUMNS = ["step", "prompt", "completion"]
+
+
+def sample_rows(samples: list[dict[str, Any]]) -> list[list[Any]]:
+    """``log_samples``' rows as ``[step, prompt, completion]`` lists under :data:`SAMPLE_COLUMNS`, for a
+    tracker's table; a chat prompt becomes its messages' ``role: content`` lines."""
+
+    def text(value: Any) -> str:
+        if isinstance(value, list):
+            return "\n".join(f"{m.get('role')}: {m.get('content')}" for m in value)
+        return str(value)
+
+    return [[row["step"], text(row["prompt"]), text(row["completion"])] for row in samples]
+
+
 def tracker_run_name(run: Any) -> str:
     """The run's name for trackers: ``train.run_name``, or output_dir's folder name."""
     return run.config.train.run_name or run.output_dir.resolve().name
@@ -143,12 +159,14 @@ class BackgroundSender:
 
     :meth:`submit` returns at once. An exception a call raised is kept and raised by the next
     :meth:`submit` or by :meth:`close` (nothing more is sent after it), so the caller's hook
-    fails where the engine isolates and reports it. ``max_pending`` bounds the queue: a tracker
-    that falls that far behind makes steps wait rather than fill memory.
+    fails where the engine isolates and reports it. ``max_pending`` bounds the queue: a client
+    that falls that far behind (a hung connection) fails the next :meth:`submit` at once, so
+    steps neither wait for it nor fill memory; what is queued is dropped.
     """
 
     def __init__(self, name: str, max_pending: int = 1000):
         self.error: BaseException | None = None  # the first failure; nothing is sent after it
+        self.name, self.max_pending = name, max_pending
         self._reported = False
         self._queue: queue.Queue[Callable[[], Any] | None] = queue.Queue(max_pending)
         self._thread = threading.Thread(target=self._work, name=f"engine-{name}-sender", daemon=True)
@@ -174,12 +192,21 @@ class BackgroundSender:
 
     def submit(self, call: Callable[[], Any]) -> None:
         self._raise_error()
-        self._queue.put(call)
+        try:
+            self._queue.put_nowait(call)
+        except queue.Full:
+            self.error = TimeoutError(f"{self.name}: {self.max_pending} calls are waiting to be sent (the client "
+                                      "hangs or is far behind); nothing more is sent")
+            self._raise_error()
 
     def close(self, timeout: float = 60.0) -> None:
         """Send what is queued (waiting at most ``timeout`` seconds), stop the thread, raise an error."""
-        self._queue.put(None)
-        self._thread.join(timeout)
+        deadline = time.monotonic() + timeout
+        try:
+            self._queue.put(None, timeout=timeout)  # a full queue of a hung client: never freed
+        except queue.Full:
+            pass
+        self._thread.join(max(0.0, deadline - time.monotonic()))
         if self._thread.is_alive():
             raise TimeoutError(f"{self._thread.name}: still sending after {timeout:g} s; the rest is dropped")
         self._raise_error()
