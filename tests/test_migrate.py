@@ -281,7 +281,7 @@ def test_trackers_neftune_liger_and_the_hub(tmp_path):
     from fake_hub import serve
 
     arguments = TrainingArguments(
-        output_dir="out/misc", report_to=["tensorboard", "mlflow", "comet_ml"], run_name="exp-1",
+        output_dir="out/misc", report_to=["tensorboard", "mlflow", "my_tracker"], run_name="exp-1",
         neftune_noise_alpha=5.0, use_liger_kernel=True,
         liger_kernel_config={"rope": True, "cross_entropy": False, "fused_linear_cross_entropy": True},
         push_to_hub=True, hub_model_id="user/my-model", hub_strategy="checkpoint", hub_revision="dev",
@@ -292,7 +292,7 @@ def test_trackers_neftune_liger_and_the_hub(tmp_path):
     assert run["liger"] == {"rope": True, "cross_entropy": False, "fused_linear_cross_entropy": True}
     assert run["hub"] == {"repo": "user/my-model", "strategy": "checkpoint", "revision": "dev"}
     assert run["train"]["run_name"] == "exp-1" and "hub_token" not in json.dumps(run)
-    assert "report_to 'comet_ml': no engine plugin reports to comet_ml" in report
+    assert "report_to 'my_tracker': no engine plugin reports to my_tracker" in report
     assert 'project = "not-trackio": used by plugin trackio only, which no argument enables' in report
 
     hub, server = serve()
@@ -307,6 +307,22 @@ def test_trackers_neftune_liger_and_the_hub(tmp_path):
         assert f"\n  {name} " in stdout
     for section in ("neftune", "liger", "hub"):
         assert {key: config[section][key] for key in run[section]} == run[section]
+
+
+def test_every_report_to_integration_enables_its_tracker_plugin_and_all_the_installed_ones(monkeypatch):
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+    from engine.builtin.trainer_args import REPORT_TO, TRACKERS, installed_trackers
+
+    assert set(REPORT_TO) == set(INTEGRATION_TO_CALLBACK)  # transformers' 14 names, each answered
+    named = engine.migrate({"output_dir": "out", "report_to": list(INTEGRATION_TO_CALLBACK)}).mapping
+    assert sorted(named["plugins"]) == sorted(TRACKERS)
+    monkeypatch.delenv("KUBEFLOW_TRAINER_SERVER_URL", raising=False)
+    everything = engine.migrate({"output_dir": "out", "report_to": "all"})
+    assert everything.mapping.get("plugins", []) == installed_trackers()
+    assert "kubeflow" not in installed_trackers()  # as Trainer: only inside a Kubeflow TrainJob
+    monkeypatch.setenv("KUBEFLOW_TRAINER_SERVER_URL", "https://127.0.0.1:1")
+    assert ("kubeflow" in installed_trackers()) == ("kubeflow" in installed_plugins())
 
 
 def test_python_entry_point_takes_training_arguments(tmp_path):

@@ -170,3 +170,23 @@ def test_a_callback_that_is_not_a_trainer_callback_is_refused():
     with pytest.raises(ConfigError, match=r"Run\(callbacks=...\): <object object at .*> is not a transformers "
                                           r"TrainerCallback \(an instance or subclass\)"):
         Run({"train": {"max_steps": 1}}, callbacks=[object()])
+
+
+def test_callbacks_see_the_runs_trackers_in_report_to(tmp_path):
+    """A callback that logs only ``if "tensorboard" in args.report_to`` (as many do) logs under the engine
+    too; the plugin's name maps back to Trainer's (comet: comet_ml)."""
+    seen = []
+
+    class ReportTo(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            seen.append(args.report_to)
+
+    run = Run({"plugins": ["tensorboard"],
+               "train": {"output_dir": str(tmp_path / "a"), "max_steps": 1, "save_final_model": False}},
+              model=tiny_model(), train_dataset=tiny_dataset(), data_collator=DataCollator(0), callbacks=[ReportTo()])
+    run.train()
+    engine_run(tmp_path / "b", [ReportTo()], max_steps=1)
+    assert seen == [["tensorboard"], []]
+    from engine.builtin.trainer_args import report_to_names
+
+    assert report_to_names(["comet", "azureml", "peft", "wandb"]) == ["comet_ml", "azure_ml", "wandb"]

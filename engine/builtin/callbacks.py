@@ -51,14 +51,17 @@ FLAGS = ("should_training_stop", "should_epoch_stop", "should_save", "should_eva
 _OPTIONAL_ARGS = ("optim", "optim_args", "optim_target_modules", "lr_scheduler_type", "lr_scheduler_kwargs")
 
 
-def training_arguments(train: Any) -> Any:
-    """A ``TrainingArguments`` with the values of the ``[train]`` keys it shares with the engine."""
+def training_arguments(train: Any, plugins: list[str] = ()) -> Any:
+    """A ``TrainingArguments`` with the values of the ``[train]`` keys it shares with the engine, and
+    ``report_to`` naming the integrations of the enabled tracker ``plugins`` (callbacks branch on it)."""
     import torch
     import transformers
 
+    from engine.builtin.trainer_args import report_to_names
+
     names = {f.name for f in dataclasses.fields(transformers.TrainingArguments) if f.init}
     values = {f.name: getattr(train, f.name) for f in dataclasses.fields(train) if f.name in names}
-    values["report_to"] = "none"
+    values["report_to"] = report_to_names(plugins) or "none"
     if not torch.accelerator.is_available():  # training on the CPU: TrainingArguments refuses bf16 without it
         values["use_cpu"] = True
     try:
@@ -139,7 +142,7 @@ class TrainerCallbacks:
     @hookimpl
     def configure(self, run):
         self.run = run
-        self.args = training_arguments(run.config.train)
+        self.args = training_arguments(run.config.train, run.config.plugins)
         self.control.should_training_stop = False
         self._call("on_init_end")
 

@@ -45,13 +45,21 @@ TRAINER_FIELDS = {  # TrainingArguments field -> the plugin that answers it
     "logging_dir": "tensorboard",
 }
 
-TRACKERS = ("tensorboard", "mlflow", "wandb", "trackio")  # report_to names the engine has a plugin for
+# Trainer's report_to names -> the tracker plugin of each (transformers' INTEGRATION_TO_CALLBACK)
+REPORT_TO = {
+    "azure_ml": "azureml", "clearml": "clearml", "codecarbon": "codecarbon", "comet_ml": "comet", "dagshub": "dagshub",
+    "dvclive": "dvclive", "flyte": "flyte", "kubeflow": "kubeflow", "mlflow": "mlflow", "neptune": "neptune",
+    "swanlab": "swanlab", "tensorboard": "tensorboard", "trackio": "trackio", "wandb": "wandb",
+}
+TRACKERS = tuple(REPORT_TO.values())
+# report_to "all" takes these only where the variable is set (Trainer: a Kubeflow TrainJob sets it)
+ALL_WHEN_SET = {"kubeflow": "KUBEFLOW_TRAINER_SERVER_URL"}
 STRATEGIES = ("deepspeed", "fsdp", "ddp")  # one per run; when several are asked for, the first wins (as Trainer)
 # what enables each plugin under Trainer: said when an option of a plugin that is not enabled is dropped
 ENABLED_BY = {
     "hub": "push_to_hub = true", "liger": "use_liger_kernel = true", "neftune": "neftune_noise_alpha",
     "fsdp": "fsdp", "deepspeed": "deepspeed", "ddp": "a run on several processes without fsdp or deepspeed",
-    **{tracker: f"report_to {tracker!r}" for tracker in TRACKERS},
+    **{tracker: f"report_to {name!r}" for name, tracker in REPORT_TO.items()},
 }
 
 
@@ -155,19 +163,39 @@ def _json_table(c: Conversion, name: str, value: Any) -> None:
 
 def _report_to(c: Conversion, name: str, value: Any) -> None:
     names = [] if value is None else [value] if isinstance(value, str) else value
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
         raise ConfigError("expected an integration name or a list of them")
-    if "all" in names:  # Trainer: every installed integration; here every installed tracker plugin
-        from engine.plugins import installed_plugins
+    trackers = []
+    for integration in dict.fromkeys(names):
+        if integration == "all":  # Trainer: every installed integration; here every installed tracker plugin
+            trackers += installed_trackers()
+        elif integration in REPORT_TO:
+            trackers.append(REPORT_TO[integration])
+        elif integration in TRACKERS:  # a plugin's own name (comet for comet_ml)
+            trackers.append(integration)
+        elif integration != "none":
+            c.lose(f"report_to {integration!r}", f"no engine plugin reports to {integration}; report_to names "
+                                                 f"{', '.join(REPORT_TO)} (a new tracker implements log_metrics, "
+                                                 "docs/hooks.md)")
+    for tracker in dict.fromkeys(trackers):
+        c.enable(tracker)
 
-        installed = installed_plugins()
-        names = [n for n in names if n != "all"] + [t for t in TRACKERS if t in installed]
-    for tracker in dict.fromkeys(names):
-        if tracker in TRACKERS:
-            c.enable(tracker)
-        elif tracker != "none":
-            c.lose(f"report_to {tracker!r}", f"no engine plugin reports to {tracker}; the tracker plugins are "
-                                             f"{', '.join(TRACKERS)} (a new one implements log_metrics, docs/hooks.md)")
+
+def installed_trackers() -> list[str]:
+    """The tracker plugins installed here, as report_to "all" takes them: kubeflow only inside a Kubeflow
+    TrainJob (KUBEFLOW_TRAINER_SERVER_URL set), as Trainer."""
+    import os
+
+    from engine.plugins import installed_plugins
+
+    installed = installed_plugins()
+    return [t for t in TRACKERS if t in installed and (t not in ALL_WHEN_SET or os.environ.get(ALL_WHEN_SET[t]))]
+
+
+def report_to_names(plugins: list[str]) -> list[str]:
+    """Trainer's report_to list for a run with these plugins enabled (comet_ml for comet, ...)."""
+    names = {tracker: name for name, tracker in REPORT_TO.items()}
+    return [names[plugin] for plugin in plugins if plugin in names]
 
 
 def _ddp_timeout(c: Conversion, name: str, value: Any) -> None:
@@ -269,8 +297,8 @@ FIELDS: dict[str, Answer] = _named({
     "log_level_replica": accepted(),
     "disable_tqdm": accepted(),
     "report_to": plugin(TRACKERS, convert=_report_to,
-                        note="each of tensorboard, mlflow, wandb, trackio enables that plugin; 'all' the installed "
-                             "ones; other integrations have no plugin"),
+                        note="each of Trainer's 14 integrations enables its tracker plugin (comet_ml: comet, azure_ml: "
+                             "azureml, the others by their own name); 'all' the installed ones"),
     "run_name": accepted(note="the trackers' run name"),
     "project": provided(),
     "trackio_space_id": provided(),

@@ -4,8 +4,9 @@ The config goes in once as params (flattened, within MLflow's key/value limits, 
 100), metrics at their step, and the run ends FINISHED or FAILED. MLflow's client sends each
 call over HTTP before it returns, which would stall steps, so metrics are collected and sent
 as one batch every ``send_interval`` seconds, from a thread, as are uploads (the cost per
-step: benchmarks/trackers.py). The run id is kept in checkpoints, so a resumed training run
-continues the same MLflow run.
+step: benchmarks/trackers.py). Generated samples (``log_samples``) are a table artifact
+``samples/step-<step>.json`` (MLflow's ``log_table``: the UI's artifact view shows it as a table).
+The run id is kept in checkpoints, so a resumed training run continues the same MLflow run.
 
 MLflow's client retries a request that cannot connect for about 4 minutes (7 retries with
 backoff: MLFLOW_HTTP_REQUEST_MAX_RETRIES, MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR), with nothing on
@@ -25,8 +26,8 @@ from pathlib import Path
 from typing import Literal
 
 from engine import hookimpl, option
-from engine.tracking import (BackgroundSender, Tracker, flatten_config, scalar_metrics, tracker_run_name,
-                             wait_for_server)
+from engine.tracking import (SAMPLE_COLUMNS, BackgroundSender, Tracker, flatten_config, sample_rows, scalar_metrics,
+                             tracker_run_name, wait_for_server)
 
 logger = logging.getLogger("engine")
 
@@ -120,6 +121,13 @@ class MLflowTracker(Tracker):
             batch = self.pending[start:start + METRICS_PER_BATCH]
             self.sender.submit(lambda batch=batch: client.log_batch(run_id, metrics=batch))
         self.pending = []
+
+    @hookimpl
+    def log_samples(self, run, samples, step):
+        if self.sender is not None:
+            client, run_id = self.client, self.run_id
+            table = dict(zip(SAMPLE_COLUMNS, map(list, zip(*sample_rows(samples)))))
+            self.sender.submit(lambda: client.log_table(run_id, table, f"samples/step-{step}.json"))
 
     @hookimpl
     def on_checkpoint_saved(self, run, path):

@@ -12,7 +12,7 @@ import pytest
 from mlflow import MlflowClient
 
 from engine import PluginError, hookimpl
-from engine.testing import free_port, logged_scalars, run_steps, same_weights, tiny_dataset, tiny_model
+from engine.testing import free_port, logged_scalars, run_steps, same_weights, tiny_dataset, tiny_model, tiny_tokenizer
 from engine.tracking import flatten_config
 from engine_mlflow.server import Server
 
@@ -87,13 +87,20 @@ def test_a_run_that_raised_ends_failed_with_what_it_logged(server, tmp_path):
     assert server_scalars(client, found) == logged_scalars(tmp_path)
 
 
-def test_without_a_tracking_uri_the_run_goes_into_a_local_store_in_output_dir(tmp_path, monkeypatch):
+def test_without_a_tracking_uri_the_run_goes_into_a_local_store_in_output_dir_with_samples_as_a_table(
+        tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    run_steps(3, plugins=["mlflow"], output_dir=tmp_path)
+    run_steps(3, plugins=["mlflow", "samples"], output_dir=tmp_path, model=tiny_model(vocab_size=300),
+              tokenizer=tiny_tokenizer(), sections={"samples": {"prompts": ["the quick", "fox"], "every": "end",
+                                                                 "max_new_tokens": 3}})
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     found = only_run(client, "Default")
     assert found.info.run_name == tmp_path.name and found.info.status == "FINISHED"
     assert server_scalars(client, found) == logged_scalars(tmp_path)
+    table = json.loads(open(client.download_artifacts(found.info.run_id, "samples/step-3.json", str(tmp_path))).read())
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert table["columns"] == ["step", "prompt", "completion"]
+    assert table["data"] == [[3, row["prompt"], row["completion"]] for row in rows]
 
 
 class KillServer:

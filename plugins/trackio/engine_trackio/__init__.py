@@ -4,7 +4,8 @@ The local-first tracker: runs go into trackio's local store (``TRACKIO_DIR``, de
 ``~/.cache/huggingface/trackio``; ``trackio show`` opens its dashboard) or to a Hugging Face
 Space (``space_id``, its data in a Hugging Face Bucket: ``bucket_id``, default derived from the
 Space). ``static_space_id``: after a successful run, a read-only static snapshot of the project is
-made from that Space (``trackio.freeze``), as Trainer's ``trackio_static_space_id`` does. trackio's
+made from that Space (``trackio.freeze``), as Trainer's ``trackio_static_space_id`` does. Generated
+samples (``log_samples``) are a ``trackio.Table`` ``samples`` at their step. trackio's
 own thread batches and writes the logs, so steps never wait. The run's name is kept in checkpoints,
 so a resumed training run continues the same run.
 """
@@ -15,7 +16,7 @@ import os
 from dataclasses import dataclass
 
 from engine import ConfigError, hookimpl, option
-from engine.tracking import Tracker, scalar_metrics, tracker_run_name, wait_for_server
+from engine.tracking import SAMPLE_COLUMNS, Tracker, sample_rows, scalar_metrics, tracker_run_name, wait_for_server
 
 
 @dataclass
@@ -72,6 +73,14 @@ class TrackioTracker(Tracker):
     def log_metrics(self, run, metrics, step):
         if self.trackio_run is not None:  # None: evaluate() outside training
             self.trackio_run.log(scalar_metrics(metrics), step=step)
+
+    @hookimpl
+    def log_samples(self, run, samples, step):
+        if self.trackio_run is not None:
+            import trackio
+
+            self.trackio_run.log({"samples": trackio.Table(columns=SAMPLE_COLUMNS, data=sample_rows(samples))},
+                                 step=step)
 
     @hookimpl
     def log_finish(self, run, status):

@@ -37,3 +37,17 @@ def test_bucket_and_static_space_need_a_space():
     # with a Space named, the run composes (creating the Space and Bucket needs the Hub: not run here)
     Run({"plugins": ["trackio"], "trackio": {"space_id": "me/dash", "bucket_id": "me/metrics",
                                              "static_space_id": "me/dash-static"}})
+
+
+def test_samples_are_a_table_at_their_step(tmp_path):
+    from engine.testing import tiny_model, tiny_tokenizer
+
+    run_steps(2, plugins=["trackio", "samples"], output_dir=tmp_path, model=tiny_model(vocab_size=300),
+              tokenizer=tiny_tokenizer(), sections={"trackio": {"project": "trackio-samples"},
+                                                    "samples": {"prompts": ["the quick", "fox"], "every": "end",
+                                                                "max_new_tokens": 3}})
+    (logged,) = [row for row in SQLiteStorage.get_logs("trackio-samples", tmp_path.name) if "samples" in row]
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert logged["step"] == 2 and logged["samples"]["_type"] == "trackio.table"
+    assert logged["samples"]["_value"] == [{"step": 2, "prompt": row["prompt"], "completion": row["completion"]}
+                                           for row in rows]

@@ -1,9 +1,11 @@
 """Weights & Biases tracking for the engine (``plugins = ["wandb"]``, Trainer's ``report_to``).
 
 ``wandb.init`` gets the composed config (nested, as W&B shows it), metrics go in at their step,
-and the run finishes with exit code 0 or 1. W&B's own service process buffers and sends, so
-steps never wait on the network; ``run.log`` itself costs 1-3 ms of Python per row (a thread
-would not help: it would hold the GIL for as long), see benchmarks/trackers.py. ``WANDB_MODE=offline`` writes the run under
+generated samples (``log_samples``) as a ``wandb.Table`` ``samples`` at theirs, and the run
+finishes with exit code 0 or 1. W&B's own service process buffers and sends, so steps never
+wait on the network; ``run.log`` itself costs 1-3 ms of Python per row, which a thread of this
+plugin spends while the training thread computes (torch releases the GIL in its kernels), see
+benchmarks/trackers.py. ``WANDB_MODE=offline`` writes the run under
 ``output_dir/wandb`` without a key (``wandb sync`` uploads it later). The run id is kept in
 checkpoints, so a resumed training run continues the same W&B run (``resume="allow"``). The
 API key is W&B's business: this plugin never reads, logs or stores it.
@@ -15,7 +17,7 @@ import logging
 from dataclasses import dataclass
 
 from engine import hookimpl, option
-from engine.tracking import Tracker, scalar_metrics, tracker_run_name
+from engine.tracking import SAMPLE_COLUMNS, BackgroundSender, Tracker, sample_rows, scalar_metrics, tracker_run_name
 
 logger = logging.getLogger("engine")
 
@@ -39,6 +41,7 @@ class WandbTracker(Tracker):
     def __init__(self):
         super().__init__()
         self.wandb_run = None
+        self.sender: BackgroundSender | None = None
 
     @hookimpl
     def log_hyperparams(self, run, params):
@@ -60,20 +63,33 @@ class WandbTracker(Tracker):
             raise ConnectionError(f"wandb: {str(exc).splitlines()[0]} (within wandb.connect_timeout = "
                                   f"{options.connect_timeout:g} s)") from None
         self.run_id = self.wandb_run.id
+        self.sender = BackgroundSender("wandb")
 
     @hookimpl
     def log_metrics(self, run, metrics, step):
-        if self.wandb_run is not None:  # None: evaluate() outside training
-            self.wandb_run.log(scalar_metrics(metrics), step=step)
+        if self.sender is not None:  # None: evaluate() outside training
+            self.sender.submit(lambda log=self.wandb_run.log, row=scalar_metrics(metrics): log(row, step=step))
+
+    @hookimpl
+    def log_samples(self, run, samples, step):
+        if self.sender is not None:
+            import wandb
+
+            table = wandb.Table(columns=SAMPLE_COLUMNS, data=sample_rows(samples))
+            self.sender.submit(lambda log=self.wandb_run.log: log({"samples": table}, step=step))
 
     @hookimpl
     def log_finish(self, run, status):
         if self.wandb_run is not None:
             wandb_run, self.wandb_run = self.wandb_run, None
+            sender, self.sender = self.sender, None
             import wandb
 
             try:
-                wandb_run.finish(exit_code=0 if status == "success" else 1)
+                try:
+                    sender.close()  # what is queued is logged first (an error it met is raised after finish)
+                finally:
+                    wandb_run.finish(exit_code=0 if status == "success" else 1)
             finally:
                 # finish() returns before W&B's service process has written (offline) or sent
                 # everything; teardown waits for it, so the run is complete when training returns

@@ -29,6 +29,7 @@ class OfflineRun:
     tags: list[str] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
     scalars: dict[tuple[str, int], float] = field(default_factory=dict)  # (name, step) -> value
+    tables: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)  # -> {"columns", "data"}
     exit_code: int | None = None
 
 
@@ -77,11 +78,19 @@ def read_offline_runs(wandb_dir: str | Path) -> list[OfflineRun]:
                 for item in record.config.update:
                     run.config[item.key] = _value(item)
             elif kind == "history" and run is not None:
-                row = {(item.key or "/".join(item.nested_key)): _value(item) for item in record.history.item}
+                row: dict[str, Any] = {}
+                for item in record.history.item:  # a logged object (a table) comes as one item per field
+                    *parents, key = item.nested_key or [item.key]
+                    folder = row
+                    for parent in parents:
+                        folder = folder.setdefault(parent, {})
+                    folder[key] = _value(item)
                 step = row.pop("_step", record.history.step.num)
                 for name, value in row.items():
                     if not name.startswith("_") and isinstance(value, (int, float)):
                         run.scalars[name, step] = float(value)
+                    elif isinstance(value, dict) and value.get("_type") == "table-file":  # the table's own file
+                        run.tables[name, step] = json.loads((path.parent / "files" / value["path"]).read_text())
             elif kind == "exit" and run is not None:
                 run.exit_code = record.exit.exit_code
     return list(runs.values())

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from engine import hookimpl
-from engine.testing import logged_scalars, run_steps, tiny_dataset
+from engine.testing import logged_scalars, run_steps, tiny_dataset, tiny_model, tiny_tokenizer
 from engine_wandb.offline import read_offline_runs
 
 SECRET = "0123456789abcdef0123456789abcdef01234567"  # the shape of a W&B API key
@@ -51,3 +51,15 @@ def test_a_failed_run_ends_with_a_failure_exit_code(tmp_path):
     (found,) = read_offline_runs(tmp_path / "wandb")
     assert found.exit_code == 1
     assert {step for _, step in found.scalars} == {1}
+
+
+def test_samples_are_a_table_at_their_step(tmp_path):
+    run_steps(2, plugins=["wandb", "samples"], output_dir=tmp_path, model=tiny_model(vocab_size=300),
+              tokenizer=tiny_tokenizer(), sections={"samples": {"prompts": ["the quick", "fox"], "every": "end",
+                                                                 "max_new_tokens": 3}})
+    (found,) = read_offline_runs(tmp_path / "wandb")
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    table = found.tables["samples", 2]
+    assert table["columns"] == ["step", "prompt", "completion"]
+    assert table["data"] == [[2, row["prompt"], row["completion"]] for row in rows]
+    assert found.scalars == logged_scalars(tmp_path)
