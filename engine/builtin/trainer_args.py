@@ -297,8 +297,9 @@ FIELDS: dict[str, Answer] = _named({
     "log_level_replica": accepted(),
     "disable_tqdm": accepted(),
     "report_to": plugin(TRACKERS, convert=_report_to,
-                        note="each of Trainer's 14 integrations enables its tracker plugin (comet_ml: comet, azure_ml: "
-                             "azureml, the others by their own name); 'all' the installed ones"),
+                        note="a run file enables trackers by name (plugins = [\"tensorboard\"]); each of Trainer's 14 "
+                             "integrations enables its plugin (comet_ml: comet, azure_ml: azureml, the others by their "
+                             "own name), 'all' the installed ones"),
     "run_name": accepted(note="the trackers' run name"),
     "project": provided(),
     "trackio_space_id": provided(),

@@ -84,9 +84,11 @@ class Answer:
             if name not in train_keys and name not in (key.split(".", 1)[1] for key in self.keys):
                 head += " (the engine's name)"
         elif self.kind == PLUGIN:
-            installs = [f"plugin {p}" + (f" ({FIRST_PARTY[p].install})" if p in FIRST_PARTY else "")
-                        for p in self.plugins]
-            head = "provided by " + " or ".join(installs)
+            if len(self.plugins) > 2:  # the trackers: one pip line for all
+                head = f"provided by the plugins {', '.join(self.plugins)} (pip install 'engine[<plugin>]')"
+            else:
+                head = "provided by " + " or ".join(
+                    f"plugin {p}" + (f" ({FIRST_PARTY[p].install})" if p in FIRST_PARTY else "") for p in self.plugins)
             plugin_keys = [key for key in self.keys if not key.startswith("train.")]
             if plugin_keys and len(self.keys) <= 2:
                 head += " as " + ", ".join(f"[{key.split('.', 1)[0]}] {key.split('.', 1)[1]}" for key in plugin_keys)
