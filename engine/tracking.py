@@ -4,13 +4,16 @@
   whose values a tracker accepts, within its limits on key and value length.
 * :func:`scalar_metrics` keeps the numbers of a ``log_metrics`` call (trackers plot scalars).
 * :func:`samples_table` renders a ``log_samples`` call as a markdown table (text trackers show);
-  :func:`sample_rows` as columns and rows of text (trackers with tables).
+  :func:`sample_rows` / :func:`sample_columns` as a table of text (trackers with tables).
 * :func:`tracker_run_name` is the run's name for a tracker (``train.run_name`` or output_dir's).
 * :func:`wait_for_server` asks a server whether it answers before a network client starts, for a
   bounded time and with a line on screen (clients retry for minutes, or wait forever).
 * :class:`BackgroundSender` sends a slow client's calls from a thread so steps never wait on
   the network; an error it met is raised on the next call, where the isolated logging hooks
   report it by the plugin's name.
+* :func:`call_with_timeout` waits a bounded time for a client call that can block on a server
+  (starting a run, ending it); :func:`first_line` is an exception's message without a client's
+  banner of lines.
 * :class:`Tracker` is the base of a tracker plugin class: its options, its package checked at
   configure time, and the backend's run id kept in checkpoints.
 """
@@ -107,6 +110,13 @@ def sample_rows(samples: list[dict[str, Any]]) -> list[list[Any]]:
         return str(value)
 
     return [[row["step"], text(row["prompt"]), text(row["completion"])] for row in samples]
+
+
+def sample_columns(samples: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """:func:`sample_rows` by column, ``{"step": [...], "prompt": [...], "completion": [...]}``
+    (a table as MLflow's ``log_table`` and Azure ML's ``log_table`` take it)."""
+    rows = sample_rows(samples)
+    return {column: [row[index] for row in rows] for index, column in enumerate(SAMPLE_COLUMNS)}
 
 
 def tracker_run_name(run: Any) -> str:
@@ -210,6 +220,33 @@ class BackgroundSender:
         if self._thread.is_alive():
             raise TimeoutError(f"{self._thread.name}: still sending after {timeout:g} s; the rest is dropped")
         self._raise_error()
+
+
+def call_with_timeout(call: Callable[[], Any], timeout: float, what: str) -> None:
+    """Run ``call()`` on a thread of its own and wait for it ``timeout`` seconds at most.
+
+    For a client call that can block on a server that does not answer (clients retry for minutes):
+    raises what ``call`` raised, or ``TimeoutError("<what> did not return within <timeout> s")``,
+    leaving the thread to finish on its own (a daemon thread: it never holds the process's exit).
+    """
+    worker = BackgroundSender(what)
+    worker.submit(call)
+    try:
+        worker.close(timeout=timeout)
+    except TimeoutError:
+        if worker.error is not None:  # the call's own TimeoutError
+            raise
+        raise TimeoutError(f"{what} did not return within {timeout:g} s") from None
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of text of an exception's message, without terminal colours and rules (clients
+    such as W&B and Neptune raise messages of many lines of advice)."""
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    lines = [line.strip() for line in text.splitlines()]
+    return next((line for line in lines if line and not line.startswith("---")), "")
 
 
 class Tracker:

@@ -15,6 +15,8 @@
   a folder's safetensors files and :func:`check_safetensors` checks one from its header (resume
   checks a checkpoint's weights with them).
 * :func:`final_model_files` lists the final model's files (what a target uploads);
+  :func:`list_checkpoints` the complete checkpoints of an output_dir, oldest first; :func:`snapshot_files`
+  links a checkpoint's files into a folder an upload reads while rotation goes on;
   :func:`versions` are the versions the run record holds (for a model card).
 * :func:`quiet_transformers` silences transformers' warnings while loading a model.
 * File names: :data:`MARKER` (a checkpoint's manifest, written last), :data:`FINAL_MARKER` (the
@@ -28,6 +30,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ModelWeights", "write_model", "read_weights", "load_weights", "load_state_file", "restoring",
            "check_finite_weights", "diverged", "check_model_folder", "weight_files", "check_safetensors",
-           "final_model_files", "quiet_transformers",
+           "final_model_files", "list_checkpoints", "snapshot_files", "quiet_transformers",
            "versions", "CheckpointError", "MARKER", "FINAL_MARKER", "TMP", "WEIGHTS", "WEIGHTS_INDEX"]
 
 
@@ -199,6 +202,22 @@ def _check_model_folder(folder: Path, key: str) -> None:
                 check_safetensors(path)
             except CheckpointError as exc:
                 raise CheckpointError(f"{key}: {exc}") from None
+
+
+def snapshot_files(source: Path, target: Path, names: list[str] | None = None) -> Path:
+    """``target`` holding hard links of ``source``'s files (or only ``names``; a copy where a link fails):
+    checkpoint files are never rewritten in place, so a snapshot stays intact while rotation deletes
+    ``source``, for an upload that outlives it (the hub and flyte plugins)."""
+    target.mkdir(parents=True, exist_ok=True)
+    files = [source / name for name in names] if names is not None else [p for p in source.rglob("*") if p.is_file()]
+    for path in files:
+        link = target / path.relative_to(source)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(path, link)
+        except OSError:
+            shutil.copy2(path, link)
+    return target
 
 
 def weight_files(folder: Path) -> list[Path]:

@@ -21,7 +21,6 @@ the run (``strict = true`` makes it fatal). The token is masked in everything th
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import shutil
 import subprocess
@@ -32,7 +31,7 @@ from pathlib import Path
 from typing import Literal
 
 from engine import ConfigError, PluginError, hookimpl, option
-from engine.kit.checkpoint import FINAL_MARKER, MARKER, TMP
+from engine.kit.checkpoint import FINAL_MARKER, MARKER, TMP, snapshot_files
 from engine.kit.distributed import is_main_process
 
 from .card import write_model_card
@@ -168,21 +167,6 @@ def resolve_token(options: HubOptions) -> str | None:
     return huggingface_hub.get_token()  # HF_TOKEN, then the cached login
 
 
-def _snapshot(source: Path, staging: Path, names: list[str] | None = None) -> Path:
-    """Hard links of ``source``'s files (a copy where links fail): checkpoint files are never
-    rewritten in place, so the snapshot stays intact while rotation deletes the original."""
-    staging.mkdir(parents=True)
-    files = [source / n for n in names] if names is not None else [p for p in source.rglob("*") if p.is_file()]
-    for path in files:
-        target = staging / path.relative_to(source)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(path, target)
-        except OSError:
-            shutil.copy2(path, target)
-    return staging
-
-
 class Hub:
     """The plugin: one instance per run."""
 
@@ -262,7 +246,7 @@ class Hub:
         return run.output_dir / STAGING / str(self.count)
 
     def _checkpoint_push(self, run, path: Path, step: int, message: str) -> Push:
-        snapshot = _snapshot(path, self._staging(run))
+        snapshot = snapshot_files(path, self._staging(run))
         parts = [(snapshot, "", TRAINING_STATE, False)]
         if self.options.strategy == "checkpoint":
             parts.append((snapshot, LAST_CHECKPOINT, [], True))
@@ -328,7 +312,7 @@ class Hub:
             return
         from engine.kit.checkpoint import final_model_files
 
-        snapshot = _snapshot(run.output_dir, self._staging(run), [*final_model_files(run.output_dir), FINAL_MARKER])
+        snapshot = snapshot_files(run.output_dir, self._staging(run), [*final_model_files(run.output_dir), FINAL_MARKER])
         write_model_card(run, snapshot / "README.md", options, self.metrics)
         pusher.submit(Push(step, "End of training", [(snapshot, "", [], False)], snapshot, final=True))
 

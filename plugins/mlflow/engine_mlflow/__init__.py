@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Literal
 
 from engine import hookimpl, option
-from engine.tracking import (SAMPLE_COLUMNS, BackgroundSender, Tracker, flatten_config, sample_rows, scalar_metrics,
+from engine.tracking import (BackgroundSender, Tracker, call_with_timeout, flatten_config, sample_columns, scalar_metrics,
                              tracker_run_name, wait_for_server)
 
 logger = logging.getLogger("engine")
@@ -67,21 +67,25 @@ class MLflowTracker(Tracker):
         self.pending: list = []  # metrics not yet handed to the sender
         self.last_sent = 0.0
 
+    def mlflow_options(self, run) -> MLflowOptions:
+        """The options this run's MLflow client follows (a subclass for a hosted MLflow derives its own)."""
+        return run.config.section("mlflow")
+
     @hookimpl
     def log_hyperparams(self, run, params):
         from mlflow import MlflowClient
         from mlflow.entities import Param, RunTag
 
-        options = run.config.section("mlflow")
+        options = self.mlflow_options(run)
         uri = options.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
         if not uri:
             run.output_dir.mkdir(parents=True, exist_ok=True)
             uri = f"sqlite:///{(run.output_dir / 'mlflow.db').resolve()}"
         if uri.startswith(("http://", "https://")):
-            wait_for_server(uri, options.connect_timeout, "mlflow")
+            wait_for_server(uri, options.connect_timeout, self.extra)
         self.client = client = MlflowClient(uri)
         flat = flatten_config(params, max_key_length=MAX_KEY_LENGTH, max_value_length=MAX_VALUE_LENGTH,
-                              tracker="mlflow")
+                              tracker=self.extra)
         if self.run_id is None:
             name = options.experiment_name or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "Default"
             experiment = client.get_experiment_by_name(name)
@@ -101,7 +105,7 @@ class MLflowTracker(Tracker):
         items = [Param(key, str(value)) for key, value in flat.items()]
         for start in range(0, len(items), PARAMS_PER_BATCH):
             client.log_batch(self.run_id, params=items[start:start + PARAMS_PER_BATCH])
-        self.sender = BackgroundSender("mlflow")
+        self.sender = BackgroundSender(self.extra)
 
     @hookimpl
     def log_metrics(self, run, metrics, step):
@@ -111,7 +115,7 @@ class MLflowTracker(Tracker):
 
         now = time.time()
         self.pending += [Metric(key, value, int(now * 1000), step) for key, value in scalar_metrics(metrics).items()]
-        if now - self.last_sent >= run.config.section("mlflow").send_interval or len(self.pending) >= METRICS_PER_BATCH:
+        if now - self.last_sent >= self.mlflow_options(run).send_interval or len(self.pending) >= METRICS_PER_BATCH:
             self._send_pending()
             self.last_sent = now
 
@@ -126,12 +130,12 @@ class MLflowTracker(Tracker):
     def log_samples(self, run, samples, step):
         if self.sender is not None:
             client, run_id = self.client, self.run_id
-            table = dict(zip(SAMPLE_COLUMNS, map(list, zip(*sample_rows(samples)))))
+            table = sample_columns(samples)
             self.sender.submit(lambda: client.log_table(run_id, table, f"samples/step-{step}.json"))
 
     @hookimpl
     def on_checkpoint_saved(self, run, path):
-        if self.sender is not None and run.config.section("mlflow").log_artifacts == "checkpoints":
+        if self.sender is not None and self.mlflow_options(run).log_artifacts == "checkpoints":
             client, run_id = self.client, self.run_id
             self.sender.submit(lambda: client.log_artifacts(run_id, path, artifact_path=Path(path).name))
 
@@ -144,7 +148,7 @@ class MLflowTracker(Tracker):
         self._send_pending()  # (a sender that failed sends nothing more)
         sender, self.sender = self.sender, None
         client, run_id = self.client, self.run_id
-        if status == "success" and run.config.section("mlflow").log_artifacts != "none":
+        if status == "success" and self.mlflow_options(run).log_artifacts != "none":
             for name in final_model_files(run.output_dir):
                 sender.submit(lambda path=run.output_dir / name: client.log_artifact(run_id, str(path), "model"))
         try:
@@ -152,6 +156,5 @@ class MLflowTracker(Tracker):
         finally:
             # from a thread of its own, waited for connect_timeout at most: a server gone since
             # would hold the end of the run for MLflow's minutes of retries
-            ending = BackgroundSender("mlflow-end")
-            ending.submit(lambda: client.set_terminated(run_id, "FINISHED" if status == "success" else "FAILED"))
-            ending.close(timeout=run.config.section("mlflow").connect_timeout)
+            call_with_timeout(lambda: client.set_terminated(run_id, "FINISHED" if status == "success" else "FAILED"),
+                              self.mlflow_options(run).connect_timeout, f"{self.extra}: ending the run")

@@ -17,7 +17,8 @@ import logging
 from dataclasses import dataclass
 
 from engine import hookimpl, option
-from engine.tracking import SAMPLE_COLUMNS, BackgroundSender, Tracker, sample_rows, scalar_metrics, tracker_run_name
+from engine.tracking import (SAMPLE_COLUMNS, BackgroundSender, Tracker, first_line, sample_rows, scalar_metrics,
+                             tracker_run_name)
 
 logger = logging.getLogger("engine")
 
@@ -60,7 +61,7 @@ class WandbTracker(Tracker):
                 config=params, dir=str(run.output_dir), id=self.run_id, resume="allow" if self.run_id else None,
                 reinit="create_new")
         except wandb.errors.CommError as exc:  # its message goes on with advice about init_timeout, lines of it
-            raise ConnectionError(f"wandb: {str(exc).splitlines()[0]} (within wandb.connect_timeout = "
+            raise ConnectionError(f"wandb: {first_line(exc)} (within wandb.connect_timeout = "
                                   f"{options.connect_timeout:g} s)") from None
         self.run_id = self.wandb_run.id
         self.sender = BackgroundSender("wandb")
