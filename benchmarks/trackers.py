@@ -16,8 +16,8 @@ time (all its threads: a tracker's sending thread counts, W&B's separate service
 not) is printed too, and the stall ratio: the fastest step seen without a tracker over that
 plus the extra time per step the training thread spent in ``log_metrics`` (what a tracker adds
 to the step itself; its threads' work is in the CPU ratio), and that time per logged row. On a busy machine, where wall time
-jumps between runs, the stall ratio is the figure to read. Target (issues 14, 32): every tracker
->= 0.98x at logging_steps=10. Always exits 0.
+jumps between runs, the stall and CPU ratios are the figures to read. Target (issues 14, 32): every
+tracker >= 0.98x at logging_steps=10 in both. Always exits 0.
 
 Run::
 
@@ -121,7 +121,7 @@ def tracker_setup(tracker: str, folder: Path, servers: dict[str, str]):
         "neptune": {"neptune": {"mode": "offline"}},
         "swanlab": {"swanlab": {"mode": "offline"}},
         "codecarbon": {"codecarbon": {"country_iso_code": "FRA"}},
-        "kubeflow": {"kubeflow": {"server_url": servers.get("kubeflow")}},
+        "kubeflow": {"kubeflow": {"server_url": servers.get("kubeflow"), "token_file": servers.get("kubeflow-token")}},
     }.get(tracker, {})
     if tracker == "azureml":  # the offline run prints every metric
         def call(train):
@@ -186,6 +186,8 @@ def main() -> None:
         controller = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Controller)
         threading.Thread(target=controller.serve_forever, daemon=True).start()
         servers["kubeflow"] = f"http://127.0.0.1:{controller.server_port}"
+        (work / "kubeflow-token").write_text("benchmark-token")
+        servers["kubeflow-token"] = str(work / "kubeflow-token")
     cwd = os.getcwd()
     os.chdir(work)  # dvclive makes a git repository's root a DVC repository: not this checkout's
     try:
@@ -215,7 +217,7 @@ def print_table(trackers: list[str], results: dict[tuple[str, int], list[tuple[f
     fastest_step = min(1 / r[0] for logging_steps in (1, 10) for r in results["none", logging_steps])
     print(f"\n{'':<12} {'log ms':>7} | {'wall ratio':^17} | {'CPU ratio':^17} | {'stall ratio':^17} |")
     print(f"{'tracker':<12} {'per row':>7} | {'ls=1':>8} {'ls=10':>8} | {'ls=1':>8} {'ls=10':>8} | {'ls=1':>8} "
-          f"{'ls=10':>8} | target 0.98x at 10")
+          f"{'ls=10':>8} | CPU and stall >= 0.98x at 10")
     for tracker in trackers:
         per_row = statistics.median(r[3] for r in results[tracker, 1])
         cells = {}
@@ -224,7 +226,8 @@ def print_table(trackers: list[str], results: dict[tuple[str, int], list[tuple[f
             wall, cpu = (statistics.median(r[k] / b[k] for r, b in zip(runs, base)) for k in (0, 1))
             extra = statistics.median(r[2] for r in runs) - statistics.median(b[2] for b in base)
             cells[logging_steps] = wall, cpu, fastest_step / (fastest_step + max(0.0, extra))
-        verdict = "" if tracker == "none" else "ok" if cells[10][2] >= 0.98 else "BELOW"  # the stall: see above
+        # the stall (the training thread's wait) and the CPU (a tracker thread's work competes for the cores)
+        verdict = "" if tracker == "none" else "ok" if min(cells[10][1], cells[10][2]) >= 0.98 else "BELOW"
         print(f"{tracker:<12} {per_row * 1e3:7.3f} | " + " | ".join(
             f"{cells[1][k]:7.3f}x {cells[10][k]:7.3f}x" for k in range(3)) + f" | {verdict}")
     print(f"(stall ratio: fastest step without a tracker {fastest_step * 1e3:.2f} ms / that plus the extra time "

@@ -256,7 +256,7 @@ class Tracker:
     ``distribution`` when pip names that package otherwise, and ``options`` (the options
     dataclass), and set ``self.run_id`` to the backend's id of the run once it exists: it is kept
     in checkpoints, and a resumed run finds it there to continue the same tracker run (None:
-    nothing to keep). A missing package is refused at configure time with the pip command: the
+    nothing to keep). A missing package is refused at configure time (without importing it) with the pip command: the
     engine extra for a first-party tracker (``pip install 'engine[mlflow]'``), else the
     distribution (``pip install my-client``).
     """
@@ -277,8 +277,15 @@ class Tracker:
     def configure(self, run):
         from .catalogue import FIRST_PARTY
 
-        require(self.package, self.distribution, feature=f"plugins = [{self.extra!r}]",
-                extra=self.extra if self.extra in FIRST_PARTY else None)
+        import importlib.util
+
+        try:  # whether it is installed, without importing it: clients take seconds (engine plan waits on them)
+            installed = importlib.util.find_spec(self.package) is not None
+        except ImportError:  # its parent package is missing
+            installed = False
+        if not installed:
+            require(self.package, self.distribution, feature=f"plugins = [{self.extra!r}]",
+                    extra=self.extra if self.extra in FIRST_PARTY else None)
 
     @hookimpl
     def checkpoint_state(self, run):

@@ -323,6 +323,8 @@ def test_every_report_to_integration_enables_its_tracker_plugin_and_all_the_inst
     assert "kubeflow" not in installed_trackers()  # as Trainer: only inside a Kubeflow TrainJob
     monkeypatch.setenv("KUBEFLOW_TRAINER_SERVER_URL", "https://127.0.0.1:1")
     assert ("kubeflow" in installed_trackers()) == ("kubeflow" in installed_plugins())
+    monkeypatch.setenv("DISABLE_KUBEFLOW_INTEGRATION", "true")
+    assert "kubeflow" not in installed_trackers()
 
 
 def test_python_entry_point_takes_training_arguments(tmp_path):

@@ -52,8 +52,9 @@ REPORT_TO = {
     "swanlab": "swanlab", "tensorboard": "tensorboard", "trackio": "trackio", "wandb": "wandb",
 }
 TRACKERS = tuple(REPORT_TO.values())
-# report_to "all" takes these only where the variable is set (Trainer: a Kubeflow TrainJob sets it)
-ALL_WHEN_SET = {"kubeflow": "KUBEFLOW_TRAINER_SERVER_URL"}
+# report_to "all" takes these only where the variable is set (Trainer: a Kubeflow TrainJob sets it) and the
+# second is not true
+ALL_WHEN_SET = {"kubeflow": ("KUBEFLOW_TRAINER_SERVER_URL", "DISABLE_KUBEFLOW_INTEGRATION")}
 STRATEGIES = ("deepspeed", "fsdp", "ddp")  # one per run; when several are asked for, the first wins (as Trainer)
 # what enables each plugin under Trainer: said when an option of a plugin that is not enabled is dropped
 ENABLED_BY = {
@@ -183,13 +184,19 @@ def _report_to(c: Conversion, name: str, value: Any) -> None:
 
 def installed_trackers() -> list[str]:
     """The tracker plugins installed here, as report_to "all" takes them: kubeflow only inside a Kubeflow
-    TrainJob (KUBEFLOW_TRAINER_SERVER_URL set), as Trainer."""
+    TrainJob (KUBEFLOW_TRAINER_SERVER_URL set, DISABLE_KUBEFLOW_INTEGRATION not true), as Trainer."""
     import os
 
     from engine.plugins import installed_plugins
 
     installed = installed_plugins()
-    return [t for t in TRACKERS if t in installed and (t not in ALL_WHEN_SET or os.environ.get(ALL_WHEN_SET[t]))]
+    def available(tracker: str) -> bool:
+        if tracker not in ALL_WHEN_SET:
+            return True
+        needed, disabled = ALL_WHEN_SET[tracker]
+        return bool(os.environ.get(needed)) and os.environ.get(disabled, "").upper() not in ("1", "ON", "YES", "TRUE")
+
+    return [t for t in TRACKERS if t in installed and available(t)]
 
 
 def report_to_names(plugins: list[str]) -> list[str]:

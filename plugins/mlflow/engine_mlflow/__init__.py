@@ -41,7 +41,8 @@ METRICS_PER_BATCH = 1000  # MAX_METRICS_PER_BATCH
 @dataclass
 class MLflowOptions:
     tracking_uri: str | None = option(None, help=(
-        "tracking server or store; default MLFLOW_TRACKING_URI, else sqlite:///<output_dir>/mlflow.db"))
+        "tracking server or store; default MLFLOW_TRACKING_URI, else sqlite:///<output_dir>/mlflow.db (uploads in "
+        "output_dir/mlartifacts)"))
     experiment_name: str | None = option(None, help=(
         "experiment (created if missing); default MLFLOW_EXPERIMENT_NAME, else 'Default'"))
     run_name: str | None = option(None, help="the MLflow run's name; default train.run_name or output_dir's name")
@@ -78,9 +79,15 @@ class MLflowTracker(Tracker):
 
         options = self.mlflow_options(run)
         uri = options.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        artifacts = None  # the store's own place (a server's, or what MLflow's config says)
         if not uri:
+            from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
             run.output_dir.mkdir(parents=True, exist_ok=True)
             uri = f"sqlite:///{(run.output_dir / 'mlflow.db').resolve()}"
+            # uploads beside the store, not into ./mlruns of the working directory (MLflow's default root)
+            artifacts = (run.output_dir / "mlartifacts").resolve().as_uri()
+            SqlAlchemyStore(uri, artifacts)  # creates the store, its Default experiment with that root
         if uri.startswith(("http://", "https://")):
             wait_for_server(uri, options.connect_timeout, self.extra)
         self.client = client = MlflowClient(uri)
@@ -89,7 +96,8 @@ class MLflowTracker(Tracker):
         if self.run_id is None:
             name = options.experiment_name or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "Default"
             experiment = client.get_experiment_by_name(name)
-            experiment_id = experiment.experiment_id if experiment else client.create_experiment(name)
+            experiment_id = experiment.experiment_id if experiment else client.create_experiment(
+                name, artifact_location=artifacts and f"{artifacts}/{name}")
             self.run_id = client.create_run(experiment_id, run_name=options.run_name or tracker_run_name(run),
                                             tags=options.tags).info.run_id
         else:  # resumed: MLflow refuses to change a logged param, so only new keys go in

@@ -97,6 +97,7 @@ def test_without_a_tracking_uri_the_run_goes_into_a_local_store_in_output_dir_wi
     found = only_run(client, "Default")
     assert found.info.run_name == tmp_path.name and found.info.status == "FINISHED"
     assert server_scalars(client, found) == logged_scalars(tmp_path)
+    assert found.info.artifact_uri.startswith((tmp_path / "mlartifacts").resolve().as_uri())  # not ./mlruns
     table = json.loads(open(client.download_artifacts(found.info.run_id, "samples/step-3.json", str(tmp_path))).read())
     rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert table["columns"] == ["step", "prompt", "completion"]
