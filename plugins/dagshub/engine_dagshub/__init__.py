@@ -26,8 +26,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from engine import hookimpl, option
-from engine.errors import ConfigError
+from engine import ConfigError, hookimpl, option
 from engine.tracking import call_with_timeout
 from engine_mlflow import MLflowOptions, MLflowTracker
 

@@ -106,7 +106,7 @@ class FlyteTracker(Tracker):
         """A retried attempt (resume_from_checkpoint = true, no checkpoint in output_dir) continues from the
         previous attempt's Flyte checkpoint; None lets the builtin answer (output_dir's, or fresh)."""
         from engine.kit.checkpoint import list_checkpoints
-        from engine.errors import CheckpointError
+        from engine import CheckpointError
 
         if run.config.train.resume_from_checkpoint is not True or not run.config.section("flyte").sync_checkpoints:
             return None
