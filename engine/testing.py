@@ -173,6 +173,16 @@ class FailAt:
             self.fail()
 
 
+def raising_at(step: int) -> FailAt:
+    """A plugin object whose ``on_step_end`` raises ``RuntimeError("boom")`` at optimizer step ``step``:
+    training that raised, for what a tracker records then (a failed status)."""
+
+    def boom():
+        raise RuntimeError("boom")
+
+    return FailAt(step, boom)
+
+
 def assert_tracker_failure_is_harmless(plugin: str, output_dir: str | Path, fail: Callable[[], Any], *,
                                        steps: int = 6, at: int = 3,
                                        sections: dict[str, dict[str, Any]] | None = None) -> Run:

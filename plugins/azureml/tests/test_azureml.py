@@ -11,8 +11,7 @@ import re
 import pytest
 from azureml.core.run import Run, _OfflineRun
 
-from engine import hookimpl
-from engine.testing import assert_not_written, assert_tracker_failure_is_harmless, run_and_resume, run_steps
+from engine.testing import assert_not_written, assert_tracker_failure_is_harmless, raising_at, run_and_resume, run_steps
 from engine.tracking import flatten_config
 
 SECRET = "azureml-run-token-never-written"
@@ -71,18 +70,9 @@ def test_a_failing_client_is_harmless(tmp_path, monkeypatch):
     assert_tracker_failure_is_harmless("azureml", tmp_path, lambda: monkeypatch.setattr(_OfflineRun, "log", refuse))
 
 
-class Explode:
-    name = "explode"
-
-    @hookimpl
-    def on_step_end(self, run):
-        if run.state.global_step == 2:
-            raise RuntimeError("boom")
-
-
 def test_a_run_that_raised_calls_fail(tmp_path, capfd):
     with pytest.raises(RuntimeError, match="boom"):
-        run_steps(4, plugins=["azureml"], objects=[Explode()], output_dir=tmp_path)
+        run_steps(4, plugins=["azureml"], objects=[raising_at(2)], output_dir=tmp_path)
     *_, failures = printed(capfd.readouterr().out)
     assert failures == ["training raised (see the job's log)"]
 
@@ -125,5 +115,5 @@ def test_inside_a_job_metrics_go_at_their_step_and_the_run_is_completed_or_faile
 
     job.calls.clear()
     with pytest.raises(RuntimeError, match="boom"):
-        run_steps(4, plugins=["azureml"], objects=[Explode()], output_dir=tmp_path / "raised")
+        run_steps(4, plugins=["azureml"], objects=[raising_at(2)], output_dir=tmp_path / "raised")
     assert job.calls[-1] == ("fail", "training raised (see the job's log)")

@@ -7,7 +7,7 @@ import pytest
 
 from engine import hookimpl
 from engine.testing import (assert_not_written, assert_tracker_failure_is_harmless, free_port, logged_scalars,
-                            run_and_resume, run_steps, tiny_dataset)
+                            raising_at, run_and_resume, run_steps, tiny_dataset)
 from engine.tracking import flatten_config
 
 from clearml import Task
@@ -118,15 +118,7 @@ def test_a_run_that_raised_is_marked_failed(tmp_path, monkeypatch):
     mark_failed = Task.mark_failed
     monkeypatch.setattr(Task, "mark_failed", lambda task, **kwargs: (failed.append(kwargs), mark_failed(task, **kwargs)))
 
-    class Explode:
-        name = "explode"
-
-        @hookimpl
-        def on_step_end(self, run):
-            if run.state.global_step == 2:
-                raise RuntimeError("boom")
-
     with pytest.raises(RuntimeError, match="boom"):
-        run_steps(4, plugins=["clearml"], objects=[Explode()], output_dir=tmp_path / "out", sections=OFFLINE)
+        run_steps(4, plugins=["clearml"], objects=[raising_at(2)], output_dir=tmp_path / "out", sections=OFFLINE)
     assert failed == [{"status_reason": "training raised", "force": True}]
     assert scalars_by_name(only_session(tmp_path)) == logged_scalars(tmp_path / "out")

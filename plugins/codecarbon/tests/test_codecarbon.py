@@ -6,9 +6,8 @@ import json
 import pandas as pd
 import pytest
 
-from engine import hookimpl
-from engine.testing import (assert_not_written, assert_tracker_failure_is_harmless, logged_scalars, run_and_resume,
-                            run_steps)
+from engine.testing import (assert_not_written, assert_tracker_failure_is_harmless, logged_scalars, raising_at,
+                            run_and_resume, run_steps)
 from engine_codecarbon import METRICS
 
 SECRET = "codecarbon-api-key-never-written"
@@ -64,16 +63,8 @@ def test_codecarbon_failing_mid_run_never_stops_training(tmp_path, monkeypatch):
 
 
 def test_a_run_that_raised_still_writes_its_emissions_row(tmp_path):
-    class Explode:
-        name = "explode"
-
-        @hookimpl
-        def on_step_end(self, run):
-            if run.state.global_step == 2:
-                raise RuntimeError("boom")
-
     with pytest.raises(RuntimeError, match="boom"):
-        run_steps(5, plugins=["codecarbon"], objects=[Explode()], output_dir=tmp_path / "out", sections=SECTIONS)
+        run_steps(5, plugins=["codecarbon"], objects=[raising_at(2)], output_dir=tmp_path / "out", sections=SECTIONS)
     (row,) = pd.read_csv(tmp_path / "out" / "emissions.csv").to_dict("records")
     assert row["energy_consumed"] > 0  # CodeCarbon has no run status: the row is all there is
     assert not {name for name, _ in logged_scalars(tmp_path / "out")} & set(METRICS)

@@ -9,9 +9,8 @@ import zipfile
 
 import pytest
 
-from engine import hookimpl
 from engine.testing import (assert_not_written, assert_tracker_failure_is_harmless, free_port, logged_scalars,
-                            run_and_resume, run_steps, tiny_dataset, tiny_model, tiny_tokenizer)
+                            raising_at, run_and_resume, run_steps, tiny_dataset, tiny_model, tiny_tokenizer)
 from engine_comet import FAILED_MESSAGE
 from engine_comet.offline import read_offline_archives
 
@@ -76,16 +75,8 @@ def test_a_resumed_run_continues_the_same_experiment(tmp_path):
 
 
 def test_a_run_that_raised_is_reported_crashed_with_what_it_logged(tmp_path):
-    class Explode:
-        name = "explode"
-
-        @hookimpl
-        def on_step_end(self, run):
-            if run.state.global_step == 2:
-                raise RuntimeError("boom")
-
     with pytest.raises(RuntimeError, match="boom"):
-        run_steps(5, plugins=["comet"], objects=[Explode()], output_dir=tmp_path, sections=OFFLINE)
+        run_steps(5, plugins=["comet"], objects=[raising_at(2)], output_dir=tmp_path, sections=OFFLINE)
     (found,) = read_offline_archives(tmp_path / "comet")
     assert found.errors == [FAILED_MESSAGE]
     assert found.scalars == logged_scalars(tmp_path) and {step for _, step in found.scalars} == {1}

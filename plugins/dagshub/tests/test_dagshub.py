@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from engine import hookimpl
 from engine.checkpoint import final_model_files
 from engine.errors import ConfigError
-from engine.testing import (assert_not_written, assert_tracker_failure_is_harmless, logged_scalars, run_and_resume,
-                            run_steps, tiny_model, tiny_tokenizer)
+from engine.testing import (assert_not_written, assert_tracker_failure_is_harmless, logged_scalars, raising_at,
+                            run_and_resume, run_steps, tiny_model, tiny_tokenizer)
 from engine.tracking import flatten_config
 from engine_mlflow.server import Server
 
@@ -114,19 +113,11 @@ def test_the_repositorys_mlflow_going_away_mid_run_is_harmless(dagshub, mlflow_s
 
 def test_a_run_that_raised_ends_failed_and_commits_nothing_with_a_tracking_uri_of_its_own(
         dagshub, mlflow_server, tmp_path, monkeypatch):
-    class Explode:
-        name = "explode"
-
-        @hookimpl
-        def on_step_end(self, run):
-            if run.state.global_step == 2:
-                raise RuntimeError("boom")
-
     # the repository from MLFLOW_TRACKING_URI as Trainer reads it; tracking_uri, given, wins for MLflow
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://dagshub.com/owner/repo.mlflow")
     sections = {"dagshub": {"tracking_uri": mlflow_server.uri, "experiment_name": "raised", "upload_to_repo": True}}
     with pytest.raises(RuntimeError, match="boom"):
-        run_steps(5, plugins=["dagshub"], objects=[Explode()], output_dir=tmp_path, sections=sections)
+        run_steps(5, plugins=["dagshub"], objects=[raising_at(2)], output_dir=tmp_path, sections=sections)
     client = MlflowClient(mlflow_server.uri)
     found = only_run(client, "raised")
     assert found.info.status == "FAILED"

@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 from dvclive.serialize import load_yaml  # DVC's YAML 1.2 reader ('no' stays a string)
 
-from engine import hookimpl
-from engine.testing import (assert_not_written, assert_tracker_failure_is_harmless, logged_scalars, run_and_resume,
-                            run_steps, tiny_dataset, tiny_model)
+from engine.testing import (assert_not_written, assert_tracker_failure_is_harmless, logged_scalars, raising_at,
+                            run_and_resume, run_steps, tiny_dataset, tiny_model)
 
 SECRET = "dvc-studio-token-never-written"
 
@@ -93,16 +92,8 @@ def test_dvclive_failing_mid_run_never_stops_training(tmp_path, monkeypatch):
 
 
 def test_a_run_that_raised_still_ends_dvclive_with_what_it_logged(tmp_path):
-    class Explode:
-        name = "explode"
-
-        @hookimpl
-        def on_step_end(self, run):
-            if run.state.global_step == 2:
-                raise RuntimeError("boom")
-
     with pytest.raises(RuntimeError, match="boom"):
-        run_steps(5, plugins=["dvclive"], objects=[Explode()], output_dir=tmp_path / "out")
+        run_steps(5, plugins=["dvclive"], objects=[raising_at(2)], output_dir=tmp_path / "out")
     folder = tmp_path / "out" / "dvclive"
     assert tsv_scalars(folder) == logged_scalars(tmp_path / "out")
     assert json.loads((folder / "metrics.json").read_text())["step"] == 1  # DVCLive has no run status

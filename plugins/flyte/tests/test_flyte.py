@@ -13,9 +13,8 @@ from flytekit.core import data_persistence
 from flytekit.core.checkpointer import SyncCheckpoint
 from flytekit.core.context_manager import FlyteContextManager
 
-from engine import hookimpl
-from engine.testing import (assert_not_written, assert_tracker_failure_is_harmless, logged_scalars, run_steps,
-                            tiny_model, tiny_tokenizer)
+from engine.testing import (assert_not_written, assert_tracker_failure_is_harmless, logged_scalars, raising_at,
+                            run_steps, tiny_model, tiny_tokenizer)
 from engine.tracking import flatten_config
 
 SECRET = "flyte-client-secret-0123456789"
@@ -166,17 +165,9 @@ def test_a_failed_deck_or_upload_never_stops_training(tmp_path, monkeypatch):
 
 
 def test_a_run_that_raised_shows_failed_and_outside_a_task_it_is_switched_off_at_once(tmp_path):
-    class Explode:
-        name = "explode"
-
-        @hookimpl
-        def on_step_end(self, run):
-            if run.state.global_step == 2:
-                raise RuntimeError("boom")
-
     def raising():
         with pytest.raises(RuntimeError, match="boom"):
-            run_steps(4, plugins=["flyte"], objects=[Explode()], output_dir=tmp_path / "raised")
+            run_steps(4, plugins=["flyte"], objects=[raising_at(2)], output_dir=tmp_path / "raised")
 
     _, page, _ = in_task(raising)
     assert "<p>training: failed</p>" in page

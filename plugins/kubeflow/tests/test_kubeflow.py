@@ -8,9 +8,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from engine import hookimpl
-from engine.testing import (assert_not_written, assert_tracker_failure_is_harmless, logged_scalars, run_and_resume,
-                            run_steps, tiny_dataset)
+from engine.testing import (assert_not_written, assert_tracker_failure_is_harmless, logged_scalars, raising_at,
+                            run_and_resume, run_steps, tiny_dataset)
 
 TOKEN = "eyJhbGciOiJSUzI1NiJ9.service-account-token-0123456789"
 FAST = {"kubeflow": {"update_interval": 0}}  # every update sent, not one per 5 s
@@ -140,16 +139,8 @@ def test_a_controller_that_never_answers_neither_slows_nor_hangs_training(contro
 
 def test_a_run_that_raised_reports_the_progress_it_reached_and_no_url_is_reported_once(controller, tmp_path,
                                                                                          monkeypatch):
-    class Explode:
-        name = "explode"
-
-        @hookimpl
-        def on_step_end(self, run):
-            if run.state.global_step == 2:
-                raise RuntimeError("boom")
-
     with pytest.raises(RuntimeError, match="boom"):
-        run_steps(4, plugins=["kubeflow"], objects=[Explode()], output_dir=tmp_path / "raised", sections=FAST)
+        run_steps(4, plugins=["kubeflow"], objects=[raising_at(2)], output_dir=tmp_path / "raised", sections=FAST)
     last = controller.statuses()[-1]
     assert last["progressPercentage"] == 50 and "estimatedRemainingSeconds" not in last
     assert metrics_of(last) == {name: value for (name, _), value in logged_scalars(tmp_path / "raised").items()}

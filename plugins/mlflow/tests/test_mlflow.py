@@ -12,7 +12,8 @@ import pytest
 from mlflow import MlflowClient
 
 from engine import PluginError, hookimpl
-from engine.testing import free_port, logged_scalars, run_steps, same_weights, tiny_dataset, tiny_model, tiny_tokenizer
+from engine.testing import (free_port, logged_scalars, raising_at, run_steps, same_weights, tiny_dataset, tiny_model,
+                            tiny_tokenizer)
 from engine.tracking import flatten_config
 from engine_mlflow.server import Server
 
@@ -70,17 +71,9 @@ def test_long_config_values_are_cut_to_mlflows_limit(server, tmp_path):
 
 
 def test_a_run_that_raised_ends_failed_with_what_it_logged(server, tmp_path):
-    class Explode:
-        name = "explode"
-
-        @hookimpl
-        def on_step_end(self, run):
-            if run.state.global_step == 2:
-                raise RuntimeError("boom")
-
     sections = {"mlflow": {"tracking_uri": server.uri, "experiment_name": "raised"}}
     with pytest.raises(RuntimeError, match="boom"):
-        run_steps(5, plugins=["mlflow"], objects=[Explode()], output_dir=tmp_path, sections=sections)
+        run_steps(5, plugins=["mlflow"], objects=[raising_at(2)], output_dir=tmp_path, sections=sections)
     client = MlflowClient(server.uri)
     found = only_run(client, "raised")
     assert found.info.status == "FAILED"

@@ -12,9 +12,8 @@ import threading
 import pytest
 import torch
 
-from engine import hookimpl
-from engine.testing import (assert_not_written, assert_tracker_failure_is_harmless, logged_scalars, run_and_resume,
-                            run_steps, tiny_dataset, tiny_model, tiny_tokenizer)
+from engine.testing import (assert_not_written, assert_tracker_failure_is_harmless, logged_scalars, raising_at,
+                            run_and_resume, run_steps, tiny_dataset, tiny_model, tiny_tokenizer)
 from engine.tracking import flatten_config
 from engine_neptune.offline import read_offline_runs
 
@@ -68,16 +67,8 @@ def test_a_resume_keeps_the_custom_run_id_and_offline_makes_a_second_run(tmp_pat
 
 
 def test_a_run_that_raised_ends_failed_with_what_it_logged(tmp_path):
-    class Explode:
-        name = "explode"
-
-        @hookimpl
-        def on_step_end(self, run):
-            if run.state.global_step == 2:
-                raise RuntimeError("boom")
-
     with pytest.raises(RuntimeError, match="boom"):
-        run_steps(5, plugins=["neptune"], objects=[Explode()], output_dir=tmp_path, sections=OFFLINE)
+        run_steps(5, plugins=["neptune"], objects=[raising_at(2)], output_dir=tmp_path, sections=OFFLINE)
     (found,) = read_offline_runs(tmp_path / ".neptune")
     assert found.fields["sys/failed"] is True
     assert scalars(found) == logged_scalars(tmp_path)

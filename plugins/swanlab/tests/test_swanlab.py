@@ -7,7 +7,7 @@ import pytest
 
 from engine import hookimpl
 from engine.testing import (assert_not_written, assert_tracker_failure_is_harmless, free_port, logged_scalars,
-                            run_and_resume, run_steps, tiny_dataset)
+                            raising_at, run_and_resume, run_steps, tiny_dataset)
 from engine_swanlab.offline import read_offline_runs
 
 SECRET = "sk-engine-test-0123456789abcdefghijklmnopqrstuv"  # an API key that must go nowhere
@@ -75,16 +75,8 @@ def test_a_client_failure_mid_run_changes_nothing_in_training(tmp_path, monkeypa
 
 
 def test_a_run_that_raised_ends_crashed(tmp_path):
-    class Explode:
-        name = "explode"
-
-        @hookimpl
-        def on_step_end(self, run):
-            if run.state.global_step == 2:
-                raise RuntimeError("boom")
-
     with pytest.raises(RuntimeError, match="boom"):
-        run_steps(4, plugins=["swanlab"], objects=[Explode()], output_dir=tmp_path)
+        run_steps(4, plugins=["swanlab"], objects=[raising_at(2)], output_dir=tmp_path)
     (found,) = read_offline_runs(tmp_path / "swanlog")
     assert found.state == "crashed"
     assert found.scalars == logged_scalars(tmp_path)

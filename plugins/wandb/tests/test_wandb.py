@@ -4,8 +4,7 @@ import json
 
 import pytest
 
-from engine import hookimpl
-from engine.testing import logged_scalars, run_steps, tiny_dataset, tiny_model, tiny_tokenizer
+from engine.testing import logged_scalars, raising_at, run_steps, tiny_dataset, tiny_model, tiny_tokenizer
 from engine_wandb.offline import read_offline_runs
 
 SECRET = "0123456789abcdef0123456789abcdef01234567"  # the shape of a W&B API key
@@ -38,16 +37,8 @@ def test_config_and_metrics_read_back_and_the_key_is_never_stored(tmp_path, capf
 
 
 def test_a_failed_run_ends_with_a_failure_exit_code(tmp_path):
-    class Explode:
-        name = "explode"
-
-        @hookimpl
-        def on_step_end(self, run):
-            if run.state.global_step == 2:
-                raise RuntimeError("boom")
-
     with pytest.raises(RuntimeError, match="boom"):
-        run_steps(5, plugins=["wandb"], objects=[Explode()], output_dir=tmp_path)
+        run_steps(5, plugins=["wandb"], objects=[raising_at(2)], output_dir=tmp_path)
     (found,) = read_offline_runs(tmp_path / "wandb")
     assert found.exit_code == 1
     assert {step for _, step in found.scalars} == {1}
