@@ -173,6 +173,26 @@ class FailAt:
             self.fail()
 
 
+SAMPLES_AT_3 = [{"step": 3, "prompt": "the quick", "completion": " brown fox"},
+                {"step": 3, "prompt": [{"role": "user", "content": "Hi!"}], "completion": "Hello | there"}]
+
+
+class LogSamples:
+    """A plugin object that logs ``samples`` (default :data:`SAMPLES_AT_3`: a text prompt and a chat
+    prompt, a pipe in a completion) through the ``log_samples`` hook at optimizer step 3, as the builtin
+    ``samples`` plugin logs what it generated: a tracker's table without a tokenizer or generation."""
+
+    name = "log-samples"
+
+    def __init__(self, samples: list[dict[str, Any]] = SAMPLES_AT_3):
+        self.samples = samples
+
+    @hookimpl
+    def on_step_end(self, run):
+        if run.state.global_step == self.samples[0]["step"]:
+            run.isolated_hooks.call("log_samples", samples=self.samples, step=run.state.global_step)
+
+
 def raising_at(step: int) -> FailAt:
     """A plugin object whose ``on_step_end`` raises ``RuntimeError("boom")`` at optimizer step ``step``:
     training that raised, for what a tracker records then (a failed status)."""

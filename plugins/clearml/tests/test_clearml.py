@@ -5,9 +5,8 @@ import json
 
 import pytest
 
-from engine import hookimpl
-from engine.testing import (assert_not_written, assert_tracker_failure_is_harmless, free_port, logged_scalars,
-                            raising_at, run_and_resume, run_steps, tiny_dataset)
+from engine.testing import (LogSamples, assert_not_written, assert_tracker_failure_is_harmless, free_port,
+                            logged_scalars, raising_at, run_and_resume, run_steps, tiny_dataset)
 from engine.tracking import flatten_config
 
 from clearml import Task
@@ -45,19 +44,6 @@ def scalars_by_name(session):
             for (plot, name, step), value in session.scalars.items()}
 
 
-SAMPLES = [{"step": 3, "prompt": "the quick", "completion": " brown fox"},
-           {"step": 3, "prompt": [{"role": "user", "content": "Hi!"}], "completion": "Hello | there"}]
-
-
-class LogSamples:
-    """Generated samples at step 3, as the builtin ``samples`` plugin logs them."""
-
-    name = "log-samples"
-
-    @hookimpl
-    def on_step_end(self, run):
-        if run.state.global_step == 3:
-            run.isolated_hooks.call("log_samples", samples=SAMPLES, step=3)
 
 
 # first: ClearML's offline mode is process-wide once a run set it, and going back online connects to a

@@ -5,9 +5,8 @@ import json
 
 import pytest
 
-from engine import hookimpl
-from engine.testing import (assert_not_written, assert_tracker_failure_is_harmless, free_port, logged_scalars,
-                            raising_at, run_and_resume, run_steps, tiny_dataset)
+from engine.testing import (LogSamples, assert_not_written, assert_tracker_failure_is_harmless, free_port,
+                            logged_scalars, raising_at, run_and_resume, run_steps, tiny_dataset)
 from engine_swanlab.offline import read_offline_runs
 
 SECRET = "sk-engine-test-0123456789abcdefghijklmnopqrstuv"  # an API key that must go nowhere
@@ -22,19 +21,6 @@ def offline(monkeypatch, tmp_path):
         monkeypatch.delenv(name, raising=False)
 
 
-SAMPLES = [{"step": 3, "prompt": "the quick", "completion": " brown fox"},
-           {"step": 3, "prompt": [{"role": "user", "content": "Hi!"}], "completion": "Hello | there"}]
-
-
-class LogSamples:
-    """Generated samples at step 3, as the builtin ``samples`` plugin logs them."""
-
-    name = "log-samples"
-
-    @hookimpl
-    def on_step_end(self, run):
-        if run.state.global_step == 3:
-            run.isolated_hooks.call("log_samples", samples=SAMPLES, step=3)
 
 
 def test_config_metrics_and_samples_read_back_and_the_key_is_never_written(tmp_path, capfd):
