@@ -711,6 +711,14 @@ def predict(run: RunView, dataset: Any, prefix: str) -> PredictionOutput | None:
 
 
 @hookspec
+def collect_metrics(run: RunView, prefix: str) -> dict[str, float] | None:
+    """Return your figures gathered since your last answer (e.g. ``{"rewards/margins": 0.4}``) for the row
+    being logged. **When**: on every process (reduce with ``run.strategy.reduce``), at each training log step
+    (``prefix`` ``""``) and after each evaluation (``"eval"``, ``"eval_<name>"``), before :func:`log_metrics`.
+    **Combine**: broadcast; merged under the prefix (``eval_rewards/margins``); a key twice is an error."""
+
+
+@hookspec
 def log_hyperparams(run: RunView, params: dict[str, Any]) -> None:
     """Record the run's configuration (``params`` is the composed config as plain data).
 
@@ -728,11 +736,9 @@ def log_metrics(run: RunView, metrics: dict[str, float], step: int) -> None:
     (train_runtime, ...). On the main process only. **Combine**: isolated. The builtins write
     the console line and ``output_dir/metrics.jsonl``.
 
-    Outside training, ``Run.evaluate()`` and ``Run.predict()`` called from Python send their
-    metrics here too, at the run's current step (as Trainer's ``evaluate()`` logs them), so a
-    tracker must append, never start its file anew here. The ``engine evaluate`` command does
-    not call it: a job of its own writes ``eval_results.json`` and nothing into the training
-    run's logs or trackers.
+    Outside training, ``Run.evaluate()`` and ``Run.predict()`` send their metrics here too, at the
+    run's current step (as Trainer's ``evaluate()``): a tracker appends, never starts anew. The
+    ``engine evaluate`` command does not (its job writes ``eval_results.json`` only).
     """
 
 
@@ -747,9 +753,7 @@ def log_samples(run: RunView, samples: list[dict[str, Any]], step: int) -> None:
     **When**: each time a plugin generates samples (the builtin ``samples`` plugin: after each
     evaluation, or only at the end of training, per ``[samples] every``), after that step's
     ``log_metrics`` and on the main process only. **Combine**: isolated. The builtin writes
-    ``output_dir/samples.jsonl`` (a resumed run drops what was written after its checkpoint's
-    step, as for ``metrics.jsonl``); a tracker shows them as a table (TensorBoard: a text
-    summary ``samples`` at that step).
+    ``output_dir/samples.jsonl`` (a resume drops rows after its checkpoint's step); trackers show a table.
 
     Example::
 

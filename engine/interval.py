@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from .checkpoint import diverged
+from .errors import PluginError
 from .state import RunView
 
 logger = logging.getLogger("engine")
@@ -124,6 +125,7 @@ class Interval:
             metrics["num_input_tokens_seen"] = self.state.num_input_tokens_seen
         if self.log_skipped:
             metrics["skipped_steps"] = self.state.num_skipped_steps
+        metrics.update(collected_metrics(self.run, ""))
         self.state.log_history.append({"step": self.state.global_step, **metrics})
         self.loss, self.steps, self.count, self.started = 0.0, 0, 0, now
         return metrics
@@ -141,6 +143,16 @@ class Interval:
     def mean_loss(self) -> float:
         steps = self.total_steps + self.steps  # with the steps read but not logged (logging_strategy "no")
         return round((self.total_loss + self.loss) / steps, 6) if steps else float("nan")
+
+
+def collected_metrics(run: RunView, prefix: str) -> dict[str, float]:
+    """The plugins' ``collect_metrics`` for a row, merged under ``prefix`` (``eval_<key>``); a key twice refused."""
+    rows = [{f"{prefix}_{k}" if prefix else k: v for k, v in found.items()}
+            for found in run.hook.collect_metrics(run=run, prefix=prefix)]
+    merged = {key: value for row in rows for key, value in row.items()}
+    if len(merged) < sum(map(len, rows)):
+        raise PluginError(f"two plugins log one key ({rows}, collect_metrics); enable one of them")
+    return merged
 
 
 _ON_DEVICE = object()  # a pending gradient norm that is in Interval.norms

@@ -24,6 +24,7 @@ from engine import hookimpl
 from engine.builtin import memory
 from engine.config import option
 from engine.errors import ConfigError
+from engine.interval import collected_metrics
 from engine.kit.loaders import EpochSampler, loader_data, loader_options
 from engine.loss import IGNORE_INDEX, count_items, logits_of
 from engine.metrics import EvalPrediction
@@ -83,9 +84,9 @@ def evaluate(run: RunView, dataset: Any, prefix: str, report: bool, in_training:
         run.hook.on_eval_mode(run=run)
         parts = dataset.items() if isinstance(dataset, dict) else [(None, dataset)]
         for name, part in parts:
-            part_metrics, _, _ = _evaluate_one(run, part, f"{prefix}_{name}" if name else prefix,
-                                               want_predictions=False)
-            metrics.update(part_metrics)
+            part_prefix = f"{prefix}_{name}" if name else prefix
+            part_metrics, _, _ = _evaluate_one(run, part, part_prefix, want_predictions=False)
+            metrics.update(part_metrics, **collected_metrics(run, part_prefix))
         metrics = _report(run, metrics) if report else {**metrics, "epoch": round(run.state.epoch, 4)}
     finally:
         memory.finish(run, tracker, metrics)  # returned, not logged, as Trainer
@@ -113,6 +114,7 @@ def predict(run: RunView, dataset: Any, prefix: str) -> PredictionOutput:
     try:
         run.hook.on_eval_mode(run=run)
         measured, predictions, label_ids = _evaluate_one(run, dataset, prefix, want_predictions=True)
+        measured.update(collected_metrics(run, prefix))
         # returned, not logged (as Trainer.predict); not an evaluation, which early stopping counts
         metrics.update(measured, epoch=round(run.state.epoch, 4))
         run.hook.on_predict(run=run, metrics=metrics)

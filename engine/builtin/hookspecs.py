@@ -21,6 +21,25 @@ if TYPE_CHECKING:  # only for annotations: importing the specs must stay cheap
 hookspec = pluggy.HookspecMarker("engine")
 
 
+# ------------------------------------------------------------ builtin.loaders, builtin.evaluation: examples
+
+
+@hookspec
+def keep_columns(run: RunView) -> list[str] | None:
+    """Name example columns your collator or loss reads that the model's forward does not take.
+
+    **When**: where the train and evaluation loaders' examples are made (``engine.kit.loaders``):
+    ``train.remove_unused_columns`` (as Trainer) drops the columns that are no argument of the
+    model's forward, except these. **Combine**: broadcast; the lists are joined.
+
+    Example::
+
+        @hookimpl
+        def keep_columns(run):
+            return ["prompt_ids", "chosen_ids", "rejected_ids"]
+    """
+
+
 # ------------------------------------------------------------ builtin.models: building train.model
 
 

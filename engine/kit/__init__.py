@@ -16,6 +16,8 @@ A plugin imports top-level ``engine`` names and these modules, nothing else of t
   layerwise stepping, projector checkpoints and their configure-time checks.
 * :mod:`engine.kit.loaders`: what a DataLoader takes of a run (``loader_data``: the columns the model's
   forward takes; ``loader_options``: the ``[train] dataloader_*`` arguments; ``example_lengths``).
+* :mod:`engine.kit.preference`: what preference-tuning plugins (dpo, ...) share: pair batches, completion
+  log-probabilities, the reference model, metrics averaged between log rows.
 * :mod:`engine.kit.mappings`: what a plugin contributes to ``engine migrate`` (its
   ``TrainingArguments`` fields) and to ``--accelerate-config`` (its Accelerate keys).
 

@@ -28,7 +28,8 @@ def loader_data(run: RunView, dataset: Any, key: str) -> tuple[Any, Callable[[li
     does not take left out (``train.remove_unused_columns``, as Trainer)."""
     if not run.config.train.remove_unused_columns:
         return dataset, run.data_collator
-    return without_unused_columns(dataset, run.data_collator, forward_columns(run.model, run.label_names),
+    kept = [column for columns in run.hook.keep_columns(run=run) for column in columns or ()]
+    return without_unused_columns(dataset, run.data_collator, forward_columns(run.model, run.label_names) + kept,
                                   run.model, key)
 
 

@@ -34,7 +34,8 @@ from .collators import collator_for, enable_document_packing, flattens
 from .formats import check_options as check_format_options, check_rows, no_chat_template, peekable_sources
 from .mixture import peekable_sources as peekable_mixture
 from .options import DataOptions
-from .sources import show_progress
+from .preference import EXAMPLE_COLUMNS, PREFERENCE_KINDS
+from .sources import no_preference_plugin, show_progress
 from .streaming import ResumableStream
 from .task_rows import label_ids_by_name
 from .tokenizer import (
@@ -84,8 +85,11 @@ def _check_first_rows(run, data):
         if read_as.format == "auto" and templated:
             continue  # nothing to check without reading rows
         with named_rows(source, key, read_as):
-            if check_rows(read_as, key, source, split) == "chat" and not templated:
+            kind = check_rows(read_as, key, source, split)
+            if kind == "chat" and not templated:
                 raise no_chat_template(key, read_as)
+            if kind in PREFERENCE_KINDS and not _others_collate(run):
+                raise no_preference_plugin(key, kind)
 
 
 @hookimpl
@@ -144,7 +148,15 @@ def prepare_dataset(run, dataset, key):
 
 @hookimpl(trylast=True)
 def create_collator(run):
+    names = getattr(run.train_dataset, "column_names", None) or []
+    kind = next((kind for kind, columns in EXAMPLE_COLUMNS.items() if set(columns) <= set(names)), None)
+    if kind is not None:  # no plugin that learns from them answered first
+        raise no_preference_plugin("data.train", kind)
     return collator_for(run.config.data, run.tokenizer)
+
+
+def _others_collate(run) -> bool:
+    return any(not run.plugin_manager.is_builtin(impl.plugin_name) for impl in run.hook.create_collator.get_hookimpls())
 
 
 @hookimpl

@@ -35,6 +35,7 @@ from engine.loss import IGNORE_INDEX
 
 from .chat import _chat_turns
 from .packing import _encode_chat, _encode_completion
+from .preference import PREFERENCE_KINDS, row_texts as preference_texts
 from .sources import (
     BadRow, _a, _check_strings, _is_saved_dataset, data_kind, load_source, messages_column, source_files,
     text_batches,
@@ -196,6 +197,9 @@ def row_texts(rows: Any, kind: str, data: DataConfig, key: str, batch_size: int 
                           "data.tokenizer to the folder of the tokenizer that made them")
     fields = chat_fields(data)
     for start, batch in zip(itertools.count(0, batch_size), rows.iter(batch_size=batch_size)):
+        if kind in PREFERENCE_KINDS:
+            yield preference_texts(batch, kind)
+            continue
         indices = list(range(start, start + len(next(iter(batch.values())))))
         if kind == "alpaca":
             batch = alpaca_pairs(batch, indices, key)

@@ -15,7 +15,8 @@ from .packing import (
     _pack_documents, _truncate,
 )
 from .formats import format_encoder, no_chat_template
-from .sources import column_names, data_kind, logger
+from .preference import EXAMPLE_COLUMNS, PREFERENCE, encode_pairs, encode_unpaired
+from .sources import column_names, data_kind, logger, preference_kind
 from .task_rows import _Pipeline, prepare_task_rows
 
 if TYPE_CHECKING:
@@ -33,8 +34,13 @@ def prepare(rows: Any, data: DataConfig, tokenizer: PreTrainedTokenizerBase | No
     Other tasks' rows by :func:`prepare_task_rows` (string labels mapped with ``label2id``).
     Steps read from the cache are logged in one line (at debug level for small data). A row that
     cannot be used is refused as a :class:`BadRow`."""
+    names = column_names(rows)
+    if any(set(columns) <= set(names) for columns in EXAMPLE_COLUMNS.values()):
+        return rows  # preference examples, tokenized already (by the data builtin, or given so)
+    if preference_kind(names) is not None and "input_ids" not in names:  # any task: DPO, KTO, reward models
+        return _encode_preference(rows, preference_kind(names), data, tokenizer, key)
     if task != "causal-lm":
-        if "input_ids" in column_names(rows):
+        if "input_ids" in names:
             return check_token_rows(rows, task, key, limits)
         if tokenizer is None:
             raise ConfigError(f"{key}: {task} rows need a tokenizer; pass tokenizer= or set data.tokenizer")
@@ -50,6 +56,22 @@ def prepare(rows: Any, data: DataConfig, tokenizer: PreTrainedTokenizerBase | No
         raise ConfigError(f"{key}: {kind} rows need a tokenizer; pass tokenizer= or set data.tokenizer")
     pipeline = _Pipeline(data, tokenizer, key)
     examples = _tokenize_and_shape(rows, kind, data, tokenizer, key, pipeline, shape)
+    pipeline.report()
+    return examples
+
+
+def _encode_preference(rows: Any, kind: str, data: DataConfig, tokenizer: PreTrainedTokenizerBase | None,
+                       key: str) -> Any:
+    """Preference rows tokenized (:mod:`.preference`); their collator cuts them to data.max_length."""
+    if tokenizer is None:
+        raise ConfigError(f"{key}: {kind} rows need a tokenizer; pass tokenizer= or set data.tokenizer")
+    if data.packing:
+        raise ConfigError(f"data.packing: {key} holds {kind} rows, whose completions are compared one by one and "
+                          "never packed; set data.packing = false")
+    pipeline = _Pipeline(data, tokenizer, key)
+    encode = encode_pairs if kind == PREFERENCE else encode_unpaired
+    examples = pipeline.map(rows, encode, f"tokenize {kind} rows", with_indices=True, tokenizer=tokenizer,
+                            special_tokens=data.add_special_tokens, max_length=data.max_length, key=key)
     pipeline.report()
     return examples
 

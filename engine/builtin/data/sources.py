@@ -388,9 +388,40 @@ def format_columns(data: DataConfig) -> list[str]:
             "input_output": ["segments"]}[data.format]
 
 
+PREFERENCE, UNPAIRED = "preference", "unpaired"  # the rows of preference plugins (.preference)
+
+
+def preference_kind(names: list[str]) -> str | None:
+    """The preference kind of rows with columns ``names``, None for other rows."""
+    if "chosen" in names and "rejected" in names:
+        return PREFERENCE
+    if "completion" in names and "label" in names and "prompt" in names:
+        return UNPAIRED
+    return None
+
+
+def no_preference_plugin(key: str, kind: str) -> ConfigError:
+    """The refusal of preference rows in a run without a plugin that learns from them."""
+    which = "dpo, orpo, simpo or reward" if kind == PREFERENCE else "kto"
+    columns = "chosen and rejected" if kind == PREFERENCE else "prompt, completion and label"
+    return ConfigError(f"{key} holds {kind} rows ({columns}), which a preference "
+                       f"plugin learns from; enable one: plugins = [\"{which.split(',')[0]}\"] ({which})")
+
+
+def missing_pair(names: list[str], key: str) -> str | None:
+    """Why rows with one side of a pair cannot be read (None when they are not such rows)."""
+    for present, absent in (("chosen", "rejected"), ("rejected", "chosen")):
+        if present in names and absent not in names:
+            return (f"{key} has a {present!r} column but no {absent!r} one (its columns: {', '.join(names)}); "
+                    f"preference pairs need both, or give rows of prompt, completion and a boolean label "
+                    f"(unpaired, for kto)")
+    return None
+
+
 def data_kind(rows: Any, data: DataConfig, key: str) -> str:
-    """What the rows hold: "tokens" (input_ids), "chat" (messages), "completion" (prompt and
-    completion) or "text" (``data.text_column``); a ConfigError listing the columns otherwise.
+    """What the rows hold: "tokens" (input_ids), "preference" (chosen and rejected), "unpaired" (prompt,
+    completion and label), "chat" (messages), "completion" (prompt and completion) or "text"
+    (``data.text_column``); a ConfigError listing the columns otherwise.
     A ``data.format`` other than 'auto' says it (:data:`FORMAT_KINDS`), once its columns are found; rows of
     token ids are examples already, whatever the format."""
     names = column_names(rows)
@@ -404,6 +435,10 @@ def data_kind(rows: Any, data: DataConfig, key: str) -> str:
                               f"lacks (its columns: {', '.join(names) or 'none'}); set data.format to the rows' "
                               f"format (or 'auto'){' or ' + fix[data.format] if data.format in fix else ''}")
         return FORMAT_KINDS[data.format]
+    if preference_kind(names) is not None:
+        return preference_kind(names)
+    if missing_pair(names, key):
+        raise ConfigError(missing_pair(names, key))
     if messages_column(data) in names:
         return "chat"
     if "prompt" in names and "completion" in names:

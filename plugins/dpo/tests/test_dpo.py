@@ -1,0 +1,244 @@
+"""engine-dpo against TRL 1.16's DPOTrainer: the same rows, the same tiny Llama (same initial weights), the
+same schedule give the same per-step losses and reward metrics, for every loss type, with a full model and a
+frozen copy as the reference, with a LoRA adapter (the reference: the adapter off) and with precomputed
+reference log-probs. Then what TRL has no counterpart for: bit-exact resume, and bad input refused.
+
+Both sides read the rows in order (``train_sampling_strategy = "sequential"``), float32 on CPU. Tolerance: the
+engine logs values rounded to 6 decimals, TRL's fused LM head sums log-probabilities in another order; the
+largest measured difference is 1.9e-5 (sigmoid_norm's logps, about -40), relative ~5e-7.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import engine
+from engine import ConfigError
+from engine.testing import assert_resume_is_exact, chatml_tokenizer, write_jsonl
+
+trl = pytest.importorskip("trl")
+
+ROOT = Path(__file__).resolve().parents[3]
+TOLERANCE = 5e-5
+SCHEDULE = {"max_steps": 2, "per_device_train_batch_size": 8, "learning_rate": 1e-3, "logging_steps": 1,
+            "optim": "adamw_torch", "save_strategy": "no", "train_sampling_strategy": "sequential", "seed": 0,
+            "disable_tqdm": True, "lr_scheduler_type": "linear", "warmup_steps": 0}
+COMPARED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+            "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy")
+
+
+def reversals(count: int = 16) -> list[dict[str, str]]:
+    lines = (ROOT / "examples" / "data" / "reversals.jsonl").read_text().splitlines()[:count]
+    return [json.loads(line) for line in lines]
+
+
+def pair_rows(count: int = 16, chat: bool = False) -> list[dict]:
+    """Word reversals as preference pairs: the reversal chosen, the word itself rejected."""
+    if chat:
+        return [{"prompt": [{"role": "user", "content": f"reverse {p['source']}"}],
+                 "chosen": [{"role": "assistant", "content": p["target"]}],
+                 "rejected": [{"role": "assistant", "content": p["source"]}]} for p in reversals(count)]
+    return [{"prompt": f"{p['source']} reversed ", "chosen": f"is {p['target']}", "rejected": f"is {p['source']}"}
+            for p in reversals(count)]
+
+
+def dataset(rows):
+    import datasets
+
+    return datasets.Dataset.from_list(rows)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    pairs = reversals()
+    return chatml_tokenizer([f"{p['source']} reversed is {p['target']}" for p in pairs] + ["user assistant reverse"])
+
+
+def llama(tokenizer, seed: int = 0):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id)
+    return transformers.LlamaForCausalLM(config)
+
+
+def logged(log_history):
+    return [{k: v for k, v in entry.items() if k in COMPARED} for entry in log_history
+            if "loss" in entry and "train_loss" not in entry]
+
+
+def trl_rows(tmp_path, tokenizer, train, model, ref_model=None, peft_config=None, **dpo):
+    args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, bf16=False,
+                         gradient_checkpointing=False, max_length=128, **{**SCHEDULE, **dpo})
+    trainer = trl.DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=train,
+                             processing_class=tokenizer, peft_config=peft_config)
+    trainer.train()
+    return logged(trainer.state.log_history)
+
+
+def engine_rows(tmp_path, tokenizer, train, model, plugins=("dpo",), sections=None, **dpo):
+    mapping = {"plugins": list(plugins), "data": {"packing": False, "max_length": 128}, "dpo": dpo,
+               "train": {**SCHEDULE, "output_dir": str(tmp_path / "engine"), "save_final_model": False},
+               **(sections or {})}
+    run = engine.Run(mapping, model=model, tokenizer=tokenizer, train_dataset=train)
+    run.train()
+    return logged(run.state.log_history)
+
+
+def assert_same_rows(ours, theirs):
+    assert len(ours) == len(theirs) == SCHEDULE["max_steps"]
+    assert ours[0]["loss"] != ours[-1]["loss"] or ours[0]["rewards/margins"] != ours[-1]["rewards/margins"]
+    for mine, other in zip(ours, theirs):
+        assert set(mine) == set(COMPARED), sorted(set(COMPARED) - set(mine))
+        np.testing.assert_allclose([mine[k] for k in COMPARED], [other[k] for k in COMPARED], rtol=0,
+                                   atol=TOLERANCE, err_msg=str(list(zip(COMPARED, mine.values(), other.values()))))
+
+
+LOSSES = [("sigmoid", {}), ("hinge", {}), ("ipo", {}), ("exo_pair", {"label_smoothing": 1e-3}),
+          ("nca_pair", {}), ("robust", {"label_smoothing": 0.1}), ("bco_pair", {}), ("sppo_hard", {}), ("aot", {}),
+          ("aot_unpaired", {}), ("apo_zero", {}), ("apo_down", {}), ("discopop", {}), ("sft", {}),
+          ("sigmoid_norm", {})]
+
+
+@pytest.mark.parametrize("loss_type, extra", LOSSES, ids=[name for name, _ in LOSSES])
+def test_each_loss_type_matches_dpo_trainer(tmp_path, tokenizer, loss_type, extra):
+    train = dataset(pair_rows())
+    model = llama(tokenizer)
+    theirs = trl_rows(tmp_path, tokenizer, train, copy.deepcopy(model), copy.deepcopy(model), loss_type=[loss_type],
+                      **extra)
+    assert_same_rows(engine_rows(tmp_path, tokenizer, train, model, loss_type=[loss_type], **extra), theirs)
+
+
+@pytest.mark.parametrize("dpo", [
+    {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5], "beta": 0.2},  # RPO
+    {"ld_alpha": 0.5},
+    {"f_divergence_type": "js_divergence"},
+    {"f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.3},
+], ids=["rpo", "ld_alpha", "js", "alpha"])
+def test_weighted_losses_and_divergences_match_dpo_trainer_on_conversations(tmp_path, tokenizer, dpo):
+    train = dataset(pair_rows(chat=True))
+    model = llama(tokenizer)
+    theirs = trl_rows(tmp_path, tokenizer, train, copy.deepcopy(model), copy.deepcopy(model), **dpo)
+    assert_same_rows(engine_rows(tmp_path, tokenizer, train, model, **dpo), theirs)
+
+
+def test_lora_with_the_adapter_off_as_the_reference_matches_dpo_trainer(tmp_path, tokenizer):
+    """One LoRA adapter (the same initial weights) on both sides; TRL keeps a copy of the starting adapter as its
+    reference, the engine the base with the adapter off: the same, since a new adapter's B is zero."""
+    import peft
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    torch.manual_seed(1)
+    model = peft.get_peft_model(llama(tokenizer), config)
+    train = dataset(pair_rows())
+    theirs = trl_rows(tmp_path, tokenizer, train, copy.deepcopy(model), learning_rate=1e-2)
+    before = {name: p.detach().clone() for name, p in model.named_parameters() if "lora_" not in name}
+    ours = engine_rows(tmp_path, tokenizer, train, model, plugins=["dpo", "peft"],
+                       sections={"train": {**SCHEDULE, "learning_rate": 1e-2, "output_dir": str(tmp_path / "engine"),
+                                           "save_final_model": False}})
+    assert_same_rows(ours, theirs)
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters() if name in before)
+
+
+def test_precomputed_reference_log_probs_match_dpo_trainer_and_are_read_back_on_a_second_start(tmp_path, tokenizer):
+    rows = tmp_path / "pairs.jsonl"
+    write_jsonl(rows, pair_rows())
+    import datasets
+
+    train = datasets.load_dataset("json", data_files=str(rows), split="train")
+    model = llama(tokenizer)
+    theirs = trl_rows(tmp_path, tokenizer, train, copy.deepcopy(model), copy.deepcopy(model),
+                      precompute_ref_log_probs=True)
+    sections = {"data": {"packing": False, "max_length": 128, "train": str(rows)}}
+    ours = engine_rows(tmp_path, tokenizer, None, copy.deepcopy(model), sections=sections,
+                       precompute_ref_log_probs=True)
+    assert_same_rows(ours, theirs)
+    calls = []
+    forward = transformers.LlamaForCausalLM.forward
+    try:
+        transformers.LlamaForCausalLM.forward = lambda self, *a, **k: calls.append(self.training) or forward(self, *a, **k)
+        again = engine_rows(tmp_path / "again", tokenizer, None, copy.deepcopy(model), sections=sections,
+                            precompute_ref_log_probs=True)
+    finally:
+        transformers.LlamaForCausalLM.forward = forward
+    assert again == ours
+    assert False not in calls  # no forward in eval mode: the reference log-probs came from the cache
+
+
+def test_a_resume_is_bit_exact_and_the_reference_untouched(tmp_path, tokenizer):
+    check = assert_resume_is_exact(
+        4, 2, tmp_path, plugins=["dpo"], make_model=lambda seed: llama(tokenizer, seed), resumed_model_seed=0,
+        tokenizer=tokenizer,
+        dataset=dataset(pair_rows()), data_collator=None,
+        sections={"data": {"packing": False, "max_length": 128}},
+        train={"per_device_train_batch_size": 4, "learning_rate": 1e-2, "train_sampling_strategy": "sequential"})
+    state = torch.load(check.checkpoint / "engine_state.pt", weights_only=True)["plugins"]["dpo"]
+    assert len(state["reference"]) == 16
+    assert any("rewards/margins" in entry for entry in check.resumed.state.log_history)
+
+
+def test_a_resume_against_another_reference_is_refused(tmp_path, tokenizer):
+    train = dataset(pair_rows())
+    settings = {"data": {"packing": False, "max_length": 128}, "plugins": ["dpo"],
+                "train": {**SCHEDULE, "output_dir": str(tmp_path), "save_strategy": "steps", "save_steps": 2}}
+    engine.Run(settings, model=llama(tokenizer), tokenizer=tokenizer, train_dataset=train).train()
+    resumed = {**settings, "train": {**settings["train"], "max_steps": 4, "resume_from_checkpoint": True}}
+    run = engine.Run(resumed, model=llama(tokenizer, seed=5), tokenizer=tokenizer, train_dataset=train)
+    with pytest.raises(ConfigError, match="trained against another reference"):
+        run.train()
+
+
+def test_evaluation_logs_the_reward_metrics(tmp_path, tokenizer):
+    mapping = {"plugins": ["dpo"], "data": {"packing": False, "max_length": 128},
+               "train": {**SCHEDULE, "output_dir": str(tmp_path), "eval_strategy": "steps", "eval_steps": 2}}
+    run = engine.Run(mapping, model=llama(tokenizer), tokenizer=tokenizer, train_dataset=dataset(pair_rows()),
+                     eval_dataset=dataset(pair_rows(8)))
+    run.train()
+    evaluated = next(entry for entry in run.state.log_history if "eval_loss" in entry)
+    assert {"eval_rewards/margins", "eval_rewards/accuracies", "eval_logps/chosen"} <= set(evaluated)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert any("rewards/margins" in row for row in rows)
+
+
+# ---------------------------------------------------------------------------- bad input, refused before training
+
+
+def refused(tmp_path, tokenizer, rows, dpo=None, data=None):
+    mapping = {"plugins": ["dpo"], "dpo": dpo or {}, "data": {"packing": False, "max_length": 128, **(data or {})},
+               "train": {**SCHEDULE, "output_dir": str(tmp_path / "out")}}
+    with pytest.raises(ConfigError) as error:
+        engine.Run(mapping, model=llama(tokenizer), tokenizer=tokenizer, train_dataset=dataset(rows)).train()
+    assert not (tmp_path / "out" / "checkpoint-1").exists()
+    return str(error.value)
+
+
+def test_bad_input_is_refused_in_one_line(tmp_path, tokenizer):
+    pairs = pair_rows(4)
+    no_rejected = [{"prompt": p["prompt"], "chosen": p["chosen"]} for p in pairs]
+    assert "no 'rejected'" in refused(tmp_path, tokenizer, no_rejected)
+    long_prompt = [{**pairs[0], "prompt": "word " * 200}] + pairs[1:]
+    message = refused(tmp_path, tokenizer, long_prompt)
+    assert "row 0" in message and "leaves no completion token" in message
+    assert "is no DPO loss" in refused(tmp_path, tokenizer, pairs, dpo={"loss_type": ["sigmoidal"]})
+    assert "exo_pair needs it above 0" in refused(tmp_path, tokenizer, pairs, dpo={"loss_type": ["exo_pair"]})
+    assert "set data.packing = false" in refused(tmp_path, tokenizer, pairs, data={"packing": True})
+    other = tmp_path / "other-vocabulary"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=len(tokenizer) + 7, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2)).save_pretrained(other)
+    assert "vocabulary" in refused(tmp_path, tokenizer, pairs, dpo={"ref_model": str(other)})
+
+
+def test_preference_rows_without_a_preference_plugin_are_refused(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "pairs.jsonl", pair_rows(4))
+    mapping = {"data": {"packing": False, "train": path}, "train": {**SCHEDULE, "output_dir": str(tmp_path / "out")}}
+    with pytest.raises(ConfigError, match=r'enable one: plugins = \["dpo"\]'):
+        engine.Run(mapping, model=llama(tokenizer), tokenizer=tokenizer).train()
