@@ -24,7 +24,7 @@ SAMPLES = "samples.jsonl"
 REPORT = "report.md"
 REPORT_HTML = "report.html"
 # the report's curves, report-<name>.png
-CURVES = ("loss", "eval", "learning_rate", "grad_norm")
+CURVES = ("loss", "eval", "learning_rate", "grad_norm", "rewards")  # rewards: preference plugins (dpo)
 PREFIX = "checkpoint-"
 TMP = ".tmp-"
 DELETING = ".deleting-"

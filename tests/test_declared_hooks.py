@@ -13,7 +13,7 @@ from engine.builtin import hookspecs as builtin_hookspecs
 
 def test_the_builtins_extension_points_are_engine_hooks():
     declared = [name for name, value in vars(builtin_hookspecs).items() if hasattr(value, "engine_spec")]
-    assert declared == ["model_load_kwargs", "prediction_step", "on_prediction_step", "on_predict",
+    assert declared == ["keep_columns", "model_load_kwargs", "prediction_step", "on_prediction_step", "on_predict",
                         "locate_checkpoint", "trainer_argument_mappings"]
     assert all(getattr(hookspecs, name) is getattr(builtin_hookspecs, name) for name in declared)
     assert hookspecs.combine_kind("prediction_step") == "firstresult"

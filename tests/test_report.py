@@ -83,6 +83,7 @@ def test_the_curves_hold_the_logged_values(run_dir):
     assert lines["loss"].get_xdata().tolist() == [r["step"] for r in records if "loss" in r]
     assert lines["loss"].get_ydata().tolist() == [r["loss"] for r in records if "loss" in r]
     assert lines["eval_loss"].get_ydata().tolist() == [r["eval_loss"] for r in records if "eval_loss" in r]
+    assert "rewards" not in drawn  # preference plugins' curve (plugins/dpo/tests): no such metrics here
     (rate,) = drawn["learning_rate"].axes[0].lines
     assert rate.get_ydata().tolist() == [r["learning_rate"] for r in records if "learning_rate" in r]
 

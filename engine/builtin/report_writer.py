@@ -9,7 +9,7 @@ self-contained ``report.html`` (the images inline), from ``run.json``, ``hyperpa
 * final and best metrics; the table of evaluations;
 * the best checkpoint and why (``metric_for_best_model``, early stopping, divergence);
 * the first and the last samples side by side;
-* curves: loss, evaluation metrics, learning rate, gradient norm (matplotlib, Agg backend,
+* curves: loss, evaluation metrics, learning rate, gradient norm, preference rewards (matplotlib, Agg backend,
   through the extra ``report``; without it the report says how to get them).
 
 With several output dirs (``engine report a b --out DIR``) the curves of every run share one
@@ -43,7 +43,7 @@ RECORD_TYPES = {"status": str, "run_id": str, "starts": list, "versions": dict, 
 # evaluation metrics that time the evaluation rather than judge the model
 TIMING = ("_runtime", "_samples_per_second", "_steps_per_second")
 CURVE_TITLES = {"loss": "loss", "eval": "evaluation metrics", "learning_rate": "learning rate",
-                "grad_norm": "gradient norm"}
+                "grad_norm": "gradient norm", "rewards": "reward margins and accuracies (preference tuning)"}
 NO_PLOTS = ("Curves need matplotlib, which is not installed here: `pip install 'engine[report]'` (or "
             "`pip install matplotlib`), then `engine report {dirs}` draws them.")
 
@@ -289,7 +289,9 @@ def figures(runs: list[RunFiles], size: tuple[int, int] = DEFAULT_SIZE) -> dict[
         return [s for s, _ in points], [v for _, v in points]
 
     wanted = {"loss": lambda run: ["loss", "eval_loss"], "eval": lambda run: run.eval_keys,
-              "learning_rate": lambda run: ["learning_rate"], "grad_norm": lambda run: ["grad_norm"]}
+              "learning_rate": lambda run: ["learning_rate"], "grad_norm": lambda run: ["grad_norm"],
+              "rewards": lambda run: sorted({key for row in run.metrics for key in row
+                                            if key.endswith(("rewards/margins", "rewards/accuracies"))})}
     out = {}
     for name in CURVES:
         lines = []

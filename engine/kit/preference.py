@@ -1,4 +1,4 @@
-"""What preference-tuning plugins (dpo, kto, orpo, simpo, reward) share: batches of completions, their
+"""What preference-tuning plugins (dpo, kto, orpo, cpo, reward) share: batches of completions, their
 log-probabilities, the reference model, and metrics averaged between log rows.
 
 The data builtin tokenizes preference rows (``prompt``/``chosen``/``rejected``, or KTO's
@@ -93,6 +93,16 @@ class CompletionCollator:
         return batch
 
 
+def pad_token_id(tokenizer: Any) -> int:
+    """The id batches are padded with, as TRL's trainers pick it: the tokenizer's pad token, else its eos."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def pair_key(example: dict[str, Any]) -> tuple:
+    """A pair's token ids: what :attr:`Reference.table` files its precomputed figures under."""
+    return tuple(tuple(example[column]) for column in PAIR_COLUMNS)
+
+
 def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
     """The batch without the keys only the loss reads (masks, labels, reference log-probs)."""
     return {key: value for key, value in batch.items() if key not in LOSS_ONLY_KEYS}
@@ -179,6 +189,30 @@ class MetricMeans:
         return {name: round(float(value), 6) for name, value in zip(names, means.tolist())}
 
 
+def check_causal_lm_rows(run: Any, plugin: str) -> None:
+    """Refuse, at configure, a run a preference plugin cannot train: another task than causal-lm, or packed rows."""
+    if run.task != "causal-lm":
+        raise ConfigError(f"train.task: {plugin} trains causal language models, but the task is {run.task!r}; set "
+                          "train.task = \"causal-lm\" (a reward model of pairs: the reward plugin)")
+    if run.config.data.packing:
+        raise ConfigError(f"data.packing: {plugin} scores each row's completion on its own, so rows are never "
+                          "packed; set data.packing = false")
+
+
+def disable_dropout(model: torch.nn.Module) -> Callable[[], None]:
+    """Every dropout of ``model`` at p = 0 (TRL's ``disable_dropout_in_model``, its trainers' default); returns
+    the undo (a ``patch_model`` answer)."""
+    changed = [(module, module.p) for module in model.modules() if isinstance(module, torch.nn.Dropout)]
+    for module, _ in changed:
+        module.p = 0.0
+
+    def undo() -> None:
+        for module, p in changed:
+            module.p = p
+
+    return undo
+
+
 # ---------------------------------------------------------------------------- the reference model
 
 
@@ -218,20 +252,140 @@ def is_adapter_name(name: str) -> bool:
     return "lora_" in name or ".default." in name or "modules_to_save" in name
 
 
-def check_reference(kept: str | None, found: str, what: str) -> None:
-    """Refuse a resume whose reference differs from the one its checkpoint recorded."""
-    if kept is not None and kept != found:
-        raise ConfigError(f"the checkpoint was trained against another reference ({what}: fingerprint {kept}, "
-                          f"now {found}); resume with the run's own train.model and reference settings, or start "
-                          "a new run")
+def check_vocabulary(run: Any, ref_model: str, key: str) -> None:
+    """Refuse, at configure, a reference model (``key``: its option) whose vocabulary differs from the policy's."""
+    from transformers import AutoConfig
+
+    from engine.kit.models import model_config
+
+    try:
+        reference = AutoConfig.from_pretrained(ref_model)
+    except Exception as exc:  # not a model folder or name that loads
+        raise ConfigError(f"{key}: {ref_model!r} has no model config that loads ({type(exc).__name__}); give a "
+                          "model folder or hub name") from None
+    policy = model_config(run.config.train, run.tokenizer)
+    sizes = (getattr(policy, "vocab_size", None), getattr(reference, "vocab_size", None))
+    if None not in sizes and sizes[0] != sizes[1]:
+        raise ConfigError(f"{key}: {ref_model!r} has a vocabulary of {sizes[1]} tokens, the policy {sizes[0]}; the "
+                          "reference must score the same token ids: give a model of the same tokenizer")
 
 
-def uses_adapter_reference(model: torch.nn.Module) -> bool:
-    """Whether the reference of ``model`` is its base with the adapter off (a peft model)."""
-    return is_peft_model(model)
+def check_reference_options(run: Any, plugin: str, ref_model: str | None, precompute: bool) -> None:
+    """Refuse, at configure, a reference the run cannot have: one unsharded under FSDP/DeepSpeed (only the
+    adapter-off base is, with peft), or a ``ref_model`` of another vocabulary."""
+    from engine import strategy_name
+
+    strategy = strategy_name(run)
+    if strategy in ("fsdp", "deepspeed"):
+        if precompute:
+            raise ConfigError(f"{plugin}.precompute_ref_log_probs: not supported under train.strategy = {strategy!r} "
+                              "yet (the reference runs unsharded before training); train an adapter instead")
+        if "peft" not in run.config.plugins or ref_model is not None:
+            raise ConfigError(f"{plugin}: under train.strategy = {strategy!r} a reference model of its own is not "
+                              "sharded yet; train an adapter (plugins = [\"peft\"]), whose base with the adapter "
+                              "off is the reference")
+    if ref_model is not None:
+        check_vocabulary(run, ref_model, f"{plugin}.ref_model")
 
 
-def precompute(dataset: Any, collator: Callable[[list[Any]], Any], forward: Callable[[dict[str, Any]], dict[str, Any]],
+def reference_plan(run: Any, ref_model: str | None, precompute: bool) -> str:
+    """What ``engine plan`` says of the reference a run will have."""
+    found = ref_model or ("the base with the adapter off" if "peft" in run.config.plugins
+                          else "a frozen copy of the starting weights")
+    return f"reference: {found}" + (", its log-probs precomputed" if precompute else "")
+
+
+class Reference:
+    """The reference model of a preference run, decided by :meth:`setup` in ``patch_model`` (after peft wrapped the
+    model, before the strategy wraps it and before a resume restores trained weights): a model of its own
+    (``ref_model``: a folder or hub name), else the base with the adapter off (a peft model: no second copy),
+    else a frozen copy of the starting weights. Its fingerprint goes into checkpoints (:meth:`state`,
+    :meth:`check`). :meth:`precompute` runs it once over the run's data, cached, and frees it."""
+
+    def __init__(self) -> None:
+        self.model: torch.nn.Module | None = None  # a model of its own; None: the adapter off, or precomputed
+        self.kind = ""  # how the reference is had, for messages
+        self.fingerprint: str | None = None
+        self.table: dict[tuple, tuple[float, ...]] = {}  # precomputed figures by example (the collator adds them)
+
+    def setup(self, run: Any, ref_model: str | None, no_dropout: bool, key: str) -> None:
+        policy, device = run.model, run.strategy.device
+        if ref_model is not None:
+            self.model, self.kind = _load_reference(ref_model, policy, key).to(device), ref_model
+        elif is_peft_model(policy):
+            self.kind, self.fingerprint = "the base with the adapter off", weights_fingerprint(policy, is_adapter_name)
+            return
+        else:
+            self.model, self.kind = frozen_copy(policy).to(device), "a frozen copy of the starting weights"
+        if no_dropout:
+            disable_dropout(self.model)
+        self.fingerprint = weights_fingerprint(self.model)
+
+    @contextlib.contextmanager
+    def scoring(self, run: Any, model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+        """The module that scores as the reference, without gradients: its own model, or ``model`` (the policy,
+        maybe wrapped by the strategy) with the adapter of ``run.model`` off."""
+        with torch.no_grad():
+            if self.model is not None:
+                yield self.model
+            else:
+                with adapter_disabled(run.model):
+                    yield model
+
+    def precompute(self, run: Any, collator: Callable[[list[Any]], Any],
+                   forward: Callable[[torch.nn.Module, dict[str, Any]], dict[str, torch.Tensor]],
+                   columns: tuple[str, ...], batch_size: int | None, key_of: Callable[[dict[str, Any]], tuple],
+                   settings: str = "") -> None:
+        """``forward(scorer, batch)`` (the figures of ``columns``) of every example of the run's train and
+        evaluation data, filled into :attr:`table` under ``key_of(example)``; cached by datasets under the data's
+        and the reference's fingerprints (and ``settings``), so that a second start or a resume reads them. The
+        reference's own model is freed after."""
+        train = run.config.train
+        datasets = [(run.train_dataset, train.per_device_train_batch_size)]
+        evaluation = run.eval_dataset if isinstance(run.eval_dataset, dict) else {"eval": run.eval_dataset}
+        datasets += [(d, train.per_device_eval_batch_size) for d in evaluation.values() if d is not None]
+        scorer = self.model if self.model is not None else run.model.to(run.strategy.device)
+        was_training = scorer.training
+        scorer.eval()
+        try:
+            for dataset, size in datasets:
+                found = _precompute(dataset, collator, lambda batch: self._forward(run, scorer, forward, batch),
+                                    columns, f"{self.fingerprint}{settings}", batch_size or size, run.strategy.device)
+                for row in found:
+                    self.table[key_of(row)] = tuple(row[column] for column in columns)
+        finally:
+            scorer.train(was_training)
+        self.model = None  # freed: its figures are in the batches
+
+    def _forward(self, run: Any, scorer: torch.nn.Module, forward: Callable[..., dict[str, torch.Tensor]],
+                 batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        with self.scoring(run, scorer) as reference:
+            return forward(reference, batch)
+
+    def state(self) -> dict[str, Any]:
+        return {"reference": self.fingerprint}
+
+    def check(self, state: dict[str, Any]) -> None:
+        """Refuse a resume whose reference differs from the one its checkpoint recorded."""
+        kept = state.get("reference")
+        if kept is not None and kept != self.fingerprint:
+            raise ConfigError(f"the checkpoint was trained against another reference ({self.kind}: fingerprint "
+                              f"{kept}, now {self.fingerprint}); resume with the run's own train.model and reference "
+                              "settings, or start a new run")
+
+
+def _load_reference(name: str, policy: torch.nn.Module, key: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(name, dtype=next(policy.parameters()).dtype)
+    size, found = policy.get_input_embeddings().weight.shape[0], reference.get_input_embeddings().weight.shape[0]
+    if found != size:
+        raise ConfigError(f"{key}: {name!r} has {found} token embeddings, the policy {size}; give a model of the "
+                          "same tokenizer")
+    return frozen_copy(reference)
+
+
+def _precompute(dataset: Any, collator: Callable[[list[Any]], Any], forward: Callable[[dict[str, Any]], dict[str, Any]],
                columns: tuple[str, ...], fingerprint: str, batch_size: int, device: torch.device) -> Any:
     """``dataset`` (a ``datasets.Dataset``) with ``columns`` added: ``forward(batch)`` (no gradient) of each
     batch, in order. Cached by datasets under ``fingerprint`` (the dataset's and the reference's): a

@@ -34,6 +34,7 @@ from engine.config import SECRET_MASK, TrainConfig, check_nesting, check_value, 
 from engine.errors import ConfigError, EngineError
 from engine.kit.mappings import ACCEPTED, BUILTIN, PLUGIN, Conversion, load_json, one_line, read_small_text, show
 from engine.tooling.axolotl import AXOLOTL_DEFAULTS, AXOLOTL_FIELDS
+from engine.tooling.dpo_args import dpo_answer, dpo_defaults, is_dpo
 from engine.tooling.sft_args import PEFT_ENABLED_BY, SFT_ANSWERS, is_sft, parse_command_line, sft_defaults
 from engine.util import is_secret_name, mask_secrets
 
@@ -187,6 +188,11 @@ def migrate(arguments: Any, source: str | None = None, kind: str | None = None) 
         kind, lookup = "Axolotl config", AXOLOTL_FIELDS.get
         defaults = AXOLOTL_DEFAULTS  # a key it has no default for: its answer's legacy_defaults (null)
         arguments = {**AXOLOTL_DEFAULTS, **arguments}
+    elif is_dpo(arguments):  # as SFT below, with DPOConfig's defaults and fields
+        kind, lookup = "TRL DPOConfig, ModelConfig and ScriptArguments", lambda name: dpo_answer(name) or \
+            answer_for(name)
+        defaults = {**trainer_defaults(), **dpo_defaults()}
+        arguments = {**{k: v for k, v in defaults.items() if k not in SEQ2SEQ_FIELDS}, **arguments}
     elif is_sft(arguments):  # what a recipe leaves out is TRL's default, which the run must reproduce
         kind, lookup = "TRL SFTConfig, ModelConfig and ScriptArguments", lambda name: SFT_ANSWERS.get(name) or \
             answer_for(name)

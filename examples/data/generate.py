@@ -52,8 +52,24 @@ def reversals(rng):
         yield {"source": " ".join(words), "target": " ".join(reversed(words))}
 
 
+def completions(pairs):
+    """prompt + completion (SFT): the reversal asked for and given."""
+    for pair in pairs:
+        yield {"prompt": f"reverse: {pair['source']}\nanswer:", "completion": f" {pair['target']}"}
+
+
+def preferences(pairs):
+    """prompt + chosen + rejected (DPO): the reversal preferred to the words as they came."""
+    for pair in pairs:
+        yield {"prompt": f"reverse: {pair['source']}\nanswer:", "chosen": f" {pair['target']}",
+               "rejected": f" {pair['source']}"}
+
+
 if __name__ == "__main__":
     rng = random.Random(0)
     write("sentiment.jsonl", sentiment(rng))
     write("entities.jsonl", entities(rng))
-    write("reversals.jsonl", reversals(rng))
+    pairs = list(reversals(rng))
+    write("reversals.jsonl", pairs)
+    write("reversal_completions.jsonl", completions(pairs))
+    write("reversal_preferences.jsonl", preferences(pairs[:48]))

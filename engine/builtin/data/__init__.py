@@ -34,7 +34,7 @@ from .collators import collator_for, enable_document_packing, flattens
 from .formats import check_options as check_format_options, check_rows, no_chat_template, peekable_sources
 from .mixture import peekable_sources as peekable_mixture
 from .options import DataOptions
-from .preference import EXAMPLE_COLUMNS, PREFERENCE_KINDS
+from .preference import PREFERENCE_KINDS, tokenized_kind
 from .sources import no_preference_plugin, show_progress
 from .streaming import ResumableStream
 from .task_rows import label_ids_by_name
@@ -148,8 +148,7 @@ def prepare_dataset(run, dataset, key):
 
 @hookimpl(trylast=True)
 def create_collator(run):
-    names = getattr(run.train_dataset, "column_names", None) or []
-    kind = next((kind for kind, columns in EXAMPLE_COLUMNS.items() if set(columns) <= set(names)), None)
+    kind = tokenized_kind(getattr(run.train_dataset, "column_names", None) or [])
     if kind is not None:  # no plugin that learns from them answered first
         raise no_preference_plugin("data.train", kind)
     return collator_for(run.config.data, run.tokenizer)

@@ -21,6 +21,7 @@ from engine.util import is_callable_spec
 
 from .formats import check_options as check_format_options
 from .formats import row_texts
+from .preference import PREFERENCE_COLUMNS, tokenized_kind
 from .sources import (
     _is_saved_dataset, column_names, data_kind, load_source, logger, named_rows, source_files,
 )
@@ -136,8 +137,13 @@ def mixed_examples(parts: list[Any], seed: int) -> Any:
     when another source has labels."""
     import datasets
 
+    kinds = {tokenized_kind(part.column_names) for part in parts}
+    if len(kinds) > 1 and None in kinds:
+        raise ConfigError("data.mixture: mixes preference pairs with other rows; a run learns from one or the other")
+    kind = kinds.pop()
+    columns = PREFERENCE_COLUMNS[kind] if kind is not None else EXAMPLE_COLUMNS
     labelled = any("labels" in part.column_names for part in parts)
-    parts = [part.select_columns([c for c in EXAMPLE_COLUMNS if c in part.column_names]) for part in parts]
+    parts = [part.select_columns([c for c in columns if c in part.column_names]) for part in parts]
     if labelled:
         parts = [part if "labels" in part.column_names else part.map(_every_token_learnt, batched=True)
                  for part in parts]
@@ -157,7 +163,9 @@ def log_source(source: MixtureSource, read: int, kept: int, examples: Any) -> No
     """One line per source, so the user sees the mixture's proportions."""
     import pyarrow.compute as pc
 
-    tokens = pc.sum(pc.list_value_length(examples.with_format("arrow")["input_ids"])).as_py() or 0
+    table = examples.with_format("arrow")
+    tokens = sum(pc.sum(pc.list_value_length(table[column])).as_py() or 0 for column in table.column_names
+                 if column == "input_ids" or column.endswith("_ids") and tokenized_kind(table.column_names))
     logger.info("%s: %s: %d rows read, %d kept (weight %g), %d tokens", source.key, source.entry.source, read, kept,
                 source.entry.weight, tokens)
 

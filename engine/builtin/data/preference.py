@@ -16,6 +16,7 @@ completion token, is refused (TRL drops such rows without a word).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from engine.kit.preference import PAIR_COLUMNS, UNPAIRED_COLUMNS
@@ -24,7 +25,12 @@ from .sources import PREFERENCE, UNPAIRED, BadRow, _a
 
 PREFERENCE_KINDS = (PREFERENCE, UNPAIRED)
 # what the examples of each kind hold: the columns the preference plugins read (engine.kit.preference)
-EXAMPLE_COLUMNS = {PREFERENCE: PAIR_COLUMNS, UNPAIRED: UNPAIRED_COLUMNS}
+PREFERENCE_COLUMNS = {PREFERENCE: PAIR_COLUMNS, UNPAIRED: UNPAIRED_COLUMNS}
+
+
+def tokenized_kind(names: list[str]) -> str | None:
+    """The preference kind of examples tokenized already (columns ``names``), None for others."""
+    return next((kind for kind, columns in PREFERENCE_COLUMNS.items() if set(columns) <= set(names)), None)
 
 
 def row_texts(batch: dict[str, list], kind: str) -> list[str]:
@@ -115,7 +121,8 @@ def _encode_row(tokenizer: Any, prompt: Any, completions: list[Any], columns: li
 
 def encode_pairs(batch: dict[str, list], indices: list[int], *, tokenizer: Any, special_tokens: bool,
                  max_length: int, key: str) -> dict[str, list]:
-    """A batch of preference rows as ``prompt_ids``, ``chosen_ids``, ``rejected_ids`` (Dataset.map, batched)."""
+    """A batch of preference rows as ``prompt_ids``, ``chosen_ids``, ``rejected_ids``, and ``margin`` where the rows
+    have one (TRL's reward models: how far the chosen reward must exceed the rejected) (Dataset.map, batched)."""
     out: dict[str, list] = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": []}
     prompts = batch.get("prompt", [None] * len(indices))
     for prompt, chosen, rejected, index in zip(prompts, batch["chosen"], batch["rejected"], indices):
@@ -124,7 +131,16 @@ def encode_pairs(batch: dict[str, list], indices: list[int], *, tokenizer: Any, 
         out["prompt_ids"].append(prompt_ids)
         out["chosen_ids"].append(chosen_ids)
         out["rejected_ids"].append(rejected_ids)
+    if "margin" in batch:
+        out["margin"] = [_margin(value, key, index) for value, index in zip(batch["margin"], indices)]
     return out
+
+
+def _margin(value: Any, key: str, index: int) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise BadRow(key, index, f"'margin' holds {value!r}, expected a finite number (how far the chosen reward "
+                                 "must exceed the rejected one)")
+    return float(value)
 
 
 def encode_unpaired(batch: dict[str, list], indices: list[int], *, tokenizer: Any, special_tokens: bool,

@@ -15,7 +15,7 @@ from .packing import (
     _pack_documents, _truncate,
 )
 from .formats import format_encoder, no_chat_template
-from .preference import EXAMPLE_COLUMNS, PREFERENCE, encode_pairs, encode_unpaired
+from .preference import PREFERENCE, encode_pairs, encode_unpaired, tokenized_kind
 from .sources import column_names, data_kind, logger, preference_kind
 from .task_rows import _Pipeline, prepare_task_rows
 
@@ -35,7 +35,7 @@ def prepare(rows: Any, data: DataConfig, tokenizer: PreTrainedTokenizerBase | No
     Steps read from the cache are logged in one line (at debug level for small data). A row that
     cannot be used is refused as a :class:`BadRow`."""
     names = column_names(rows)
-    if any(set(columns) <= set(names) for columns in EXAMPLE_COLUMNS.values()):
+    if tokenized_kind(names) is not None:
         return rows  # preference examples, tokenized already (by the data builtin, or given so)
     if preference_kind(names) is not None and "input_ids" not in names:  # any task: DPO, KTO, reward models
         return _encode_preference(rows, preference_kind(names), data, tokenizer, key)
@@ -118,6 +118,8 @@ def shape_examples(encoded: Any, data: DataConfig, key: str, pipeline: _Pipeline
     those left with no token to learn dropped."""
     import datasets
 
+    if tokenized_kind(column_names(encoded)) is not None:
+        return encoded  # preference pairs: their collator cuts them (a mixture of them comes here)
     streaming = isinstance(encoded, datasets.IterableDataset)
     length = data.max_length
     # text rows learn every token; the answers of chat and prompt/completion rows may be cut away

@@ -402,7 +402,7 @@ def preference_kind(names: list[str]) -> str | None:
 
 def no_preference_plugin(key: str, kind: str) -> ConfigError:
     """The refusal of preference rows in a run without a plugin that learns from them."""
-    which = "dpo, orpo, simpo or reward" if kind == PREFERENCE else "kto"
+    which = "dpo, orpo, cpo (SimPO) or reward" if kind == PREFERENCE else "kto"
     columns = "chosen and rejected" if kind == PREFERENCE else "prompt, completion and label"
     return ConfigError(f"{key} holds {kind} rows ({columns}), which a preference "
                        f"plugin learns from; enable one: plugins = [\"{which.split(',')[0]}\"] ({which})")

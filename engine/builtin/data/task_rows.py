@@ -15,7 +15,9 @@ import xxhash
 from engine.errors import ConfigError
 from engine.loss import IGNORE_INDEX
 
-from .sources import BadRow, LARGE_ROWS, _a, _check_strings, _progress, column_names, logger, text_batches
+from .sources import (
+    BadRow, LARGE_ROWS, _a, _check_strings, _progress, column_names, logger, missing_pair, text_batches,
+)
 
 if TYPE_CHECKING:
     from engine.config import DataConfig, TrainConfig  # assembled from the builtins' options: not at import
@@ -173,6 +175,8 @@ def label_column(rows: Any, task: str, data: DataConfig, key: str) -> str:
     wanted = (data.label_column,) if data.label_column else DEFAULT_LABEL_COLUMNS[task]
     found = next((name for name in wanted if name in names), None)
     if found is None:
+        if missing_pair(names, key):  # one side of a preference pair (a reward model's rows): say so
+            raise ConfigError(missing_pair(names, key))
         what = f"{data.label_column!r} (data.label_column)" if data.label_column else " or ".join(map(repr, wanted))
         raise ConfigError(f"data.label_column: {key} has no label column {what} for {task}; "
                           f"its columns: {', '.join(names) or 'none'}")

@@ -25,20 +25,18 @@ Logged as TRL logs them: ``rewards/chosen``, ``rewards/rejected``, ``rewards/acc
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-from engine import ConfigError, hookimpl, option, strategy_name
+from engine import ConfigError, hookimpl, option
 from engine.kit.preference import (
-    PAIR_COLUMNS, REFERENCE_COLUMNS, MetricMeans, PairCollator, adapter_disabled, check_reference,
-    completion_metrics, frozen_copy,
-    is_adapter_name, mean_logits, precompute, token_logps, top1_accuracy, uses_adapter_reference,
-    weights_fingerprint,
+    PAIR_COLUMNS, REFERENCE_COLUMNS, MetricMeans, PairCollator, Reference, check_causal_lm_rows, check_reference_options,
+    completion_metrics, disable_dropout, mean_logits, pad_token_id, pair_key, reference_plan, token_logps,
+    top1_accuracy,
 )
 
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
@@ -103,10 +101,8 @@ class DPO:
 
     def __init__(self) -> None:
         self.metrics = MetricMeans()
-        self.reference: torch.nn.Module | None = None  # a model of its own; None: precomputed, or the adapter off
-        self.kind = ""  # how the reference is had, for the plan and messages
-        self.fingerprint: str | None = None
-        self.precomputed: dict[tuple, tuple[float, float]] = {}
+        self.reference = Reference()
+        self.ld_alpha: float | None = None  # dpo.ld_alpha, for the reference's sums too
 
     # ------------------------------------------------------------------ composition
 
@@ -118,33 +114,17 @@ class DPO:
     def configure(self, run):
         options = run.config.section("dpo")
         check_options(options)
-        if run.task != "causal-lm":
-            raise ConfigError(f"train.task: dpo trains causal language models, but the task is {run.task!r}; "
-                              "for a reward model of pairs enable the reward plugin")
-        if run.config.data.packing:
-            raise ConfigError("data.packing: dpo compares each pair's completions, which are never packed; set "
-                              "data.packing = false")
-        strategy = strategy_name(run)
-        if strategy in ("fsdp", "deepspeed") and not options.precompute_ref_log_probs:
-            uses_peft = "peft" in run.config.plugins
-            if not uses_peft:
-                raise ConfigError(f"dpo: under train.strategy = {strategy!r} the reference model is not sharded yet; "
-                                  "set dpo.precompute_ref_log_probs = true, or train an adapter (plugins = [\"peft\"])")
-        if options.precompute_ref_log_probs and strategy in ("fsdp", "deepspeed"):
-            raise ConfigError(f"dpo.precompute_ref_log_probs: not supported under train.strategy = {strategy!r} yet "
-                              "(the reference runs unsharded before training); train an adapter instead")
-        if options.ref_model is not None:
-            check_vocabulary(run, options.ref_model)
+        self.ld_alpha = options.ld_alpha
+        check_causal_lm_rows(run, "dpo")
+        check_reference_options(run, "dpo", options.ref_model, options.precompute_ref_log_probs)
 
     @hookimpl
     def plan_lines(self, run):
         options = run.config.section("dpo")
-        reference = options.ref_model or ("the base with the adapter off" if "peft" in run.config.plugins
-                                          else "a frozen copy of the starting weights")
         weights = options.loss_weights or [1.0] * len(options.loss_type)
         losses = " + ".join(f"{w:g} * {name}" for name, w in zip(options.loss_type, weights))
-        return [f"loss {losses}, beta {options.beta:g}; reference: {reference}"
-                + (", its log-probs precomputed" if options.precompute_ref_log_probs else "")]
+        return [f"loss {losses}, beta {options.beta:g}; "
+                + reference_plan(run, options.ref_model, options.precompute_ref_log_probs)]
 
     # ------------------------------------------------------------------ data
 
@@ -154,79 +134,42 @@ class DPO:
 
     @hookimpl
     def create_collator(self, run):
-        tokenizer = run.tokenizer
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        return LookupCollator(pad, run.config.data.max_length, self.precomputed)
+        return LookupCollator(pad_token_id(run.tokenizer), run.config.data.max_length, self.reference.table)
 
     # ------------------------------------------------------------------ the reference
 
     @hookimpl(trylast=True)
     def patch_model(self, run, model):
-        """After the other patches (peft wraps the model first): the reference is decided, and
-        precomputed, before the strategy wraps the model and before a resume restores weights."""
+        """After the other patches (peft wraps the model first): the reference is decided, and precomputed,
+        before the strategy wraps the model and before a resume restores weights."""
         options = run.config.section("dpo")
-        policy = run.model
-        undo = disable_dropout(policy) if options.disable_dropout else None
-        device = run.strategy.device
-        if options.ref_model is not None:
-            self.reference, self.kind = load_reference(options.ref_model, policy, device), options.ref_model
-            self.fingerprint = weights_fingerprint(self.reference)
-        elif uses_adapter_reference(policy):
-            self.kind = "the base with the adapter off"
-            self.fingerprint = weights_fingerprint(policy, skip=is_adapter_name)
-        else:
-            self.reference, self.kind = frozen_copy(policy).to(device), "a frozen copy of the starting weights"
-            self.fingerprint = weights_fingerprint(self.reference)
-        if self.reference is not None and options.disable_dropout:
-            disable_dropout(self.reference)
+        undo = disable_dropout(run.model) if options.disable_dropout else None
+        self.reference.setup(run, options.ref_model, options.disable_dropout, "dpo.ref_model")
         if options.precompute_ref_log_probs:
-            self._precompute(run, policy.to(device) if self.reference is None else self.reference)
-            self.reference = None  # freed: its log-probs are in the batches
+            collator = PairCollator(pad_token_id(run.tokenizer), run.config.data.max_length)
+            self.reference.precompute(run, collator, self._reference_sums,
+                                      REFERENCE_COLUMNS, options.precompute_ref_batch_size, pair_key,
+                                      settings=str(options.ld_alpha))
         return undo
 
-    def _precompute(self, run, model):
-        options, train = run.config.section("dpo"), run.config.train
-        collator = PairCollator(run.data_collator.pad_token_id, run.config.data.max_length)
-        datasets = [(run.train_dataset, train.per_device_train_batch_size)]
-        evaluation = run.eval_dataset if isinstance(run.eval_dataset, dict) else {"eval": run.eval_dataset}
-        datasets += [(d, train.per_device_eval_batch_size) for d in evaluation.values() if d is not None]
-        was_training = model.training
-        model.eval()
-        try:
-            for dataset, batch_size in datasets:
-                found = precompute(dataset, collator, lambda batch: self._reference_sums(model, batch, options),
-                                   REFERENCE_COLUMNS, f"{self.fingerprint}{options.ld_alpha}",
-                                   options.precompute_ref_batch_size or batch_size, run.strategy.device)
-                for row in found:
-                    self.precomputed[row_key(row)] = (row["ref_chosen_logps"], row["ref_rejected_logps"])
-        finally:
-            model.train(was_training)
-
-    def _reference_sums(self, model, batch, options):
-        context = adapter_disabled(model) if self.reference is None and uses_adapter_reference(model) else contextlib.nullcontext()
-        with torch.no_grad(), context:
-            found = token_logps(model, batch)
-        chosen, rejected = sequence_logps(found, options.ld_alpha).chunk(2)
+    def _reference_sums(self, scorer, batch):
+        chosen, rejected = sequence_logps(token_logps(scorer, batch), self.ld_alpha).chunk(2)
         return {"ref_chosen_logps": chosen, "ref_rejected_logps": rejected}
 
-    def _reference_logps(self, run, model, batch, options):
+    def _reference_logps(self, run, model, batch):
         if REFERENCE_COLUMNS[0] in batch:
             return batch[REFERENCE_COLUMNS[0]], batch[REFERENCE_COLUMNS[1]]
-        if self.reference is not None:
-            with torch.no_grad():
-                found = token_logps(self.reference, batch)
-        else:
-            with torch.no_grad(), adapter_disabled(run.model):
-                found = token_logps(model, batch)
-        return sequence_logps(found, options.ld_alpha).chunk(2)
+        with self.reference.scoring(run, model) as scorer:
+            found = self._reference_sums(scorer, batch)
+        return found["ref_chosen_logps"], found["ref_rejected_logps"]
 
     @hookimpl
     def checkpoint_state(self, run):
-        return {"reference": self.fingerprint}
+        return self.reference.state()
 
     @hookimpl
     def load_checkpoint_state(self, run, state):
-        check_reference(state.get("reference"), self.fingerprint, self.kind)
+        self.reference.check(state)
 
     # ------------------------------------------------------------------ the loss
 
@@ -234,9 +177,8 @@ class DPO:
     def compute_loss(self, run, model, batch, num_items_in_batch):
         options = run.config.section("dpo")
         found = token_logps(model, batch)
-        logps = sequence_logps(found, options.ld_alpha)
-        chosen, rejected = logps.chunk(2)
-        ref_chosen, ref_rejected = self._reference_logps(run, model, batch, options)
+        chosen, rejected = sequence_logps(found, options.ld_alpha).chunk(2)
+        ref_chosen, ref_rejected = self._reference_logps(run, model, batch)
         loss = dpo_loss(options, chosen, rejected, ref_chosen, ref_rejected, found, batch["completion_mask"])
         rows = len(chosen)
         chosen_rewards = options.beta * (chosen - ref_chosen).detach()
@@ -272,14 +214,10 @@ class LookupCollator(PairCollator):
     def __call__(self, examples):
         batch = super().__call__(examples)
         if self.table:
-            found = [self.table[row_key(example)] for example in examples]
+            found = [self.table[pair_key(example)] for example in examples]
             batch["ref_chosen_logps"] = torch.tensor([chosen for chosen, _ in found])
             batch["ref_rejected_logps"] = torch.tensor([rejected for _, rejected in found])
         return batch
-
-
-def row_key(example: dict[str, Any]) -> tuple:
-    return tuple(tuple(example[column]) for column in PAIR_COLUMNS)
 
 
 def sequence_logps(found, ld_alpha: float | None) -> torch.Tensor:
@@ -370,47 +308,3 @@ def dpo_loss(options: DPOOptions, chosen: torch.Tensor, rejected: torch.Tensor, 
             per_pair = (-found.logps[:rows][mask].mean()).expand(rows)
         total = total + per_pair.mean() * weight
     return total
-
-
-def disable_dropout(model: torch.nn.Module):
-    """Every dropout of ``model`` at p = 0 (TRL's disable_dropout_in_model); returns the undo."""
-    changed = [(module, module.p) for module in model.modules() if isinstance(module, torch.nn.Dropout)]
-    for module, _ in changed:
-        module.p = 0.0
-
-    def undo():
-        for module, p in changed:
-            module.p = p
-
-    return undo
-
-
-def check_vocabulary(run, ref_model: str) -> None:
-    """Refuse a reference model whose vocabulary differs from the policy's, before anything loads."""
-    from transformers import AutoConfig
-
-    from engine.kit.models import model_config
-
-    try:
-        reference = AutoConfig.from_pretrained(ref_model)
-    except Exception as exc:  # not a model folder or name that loads
-        raise ConfigError(f"dpo.ref_model: {ref_model!r} has no model config that loads ({type(exc).__name__}); "
-                          "give a model folder or hub name") from None
-    policy = model_config(run.config.train, run.tokenizer)
-    sizes = (getattr(policy, "vocab_size", None), getattr(reference, "vocab_size", None))
-    if None not in sizes and sizes[0] != sizes[1]:
-        raise ConfigError(f"dpo.ref_model: {ref_model!r} has a vocabulary of {sizes[1]} tokens, the policy "
-                          f"{sizes[0]}; the reference must score the same token ids: give a model of the same "
-                          "tokenizer")
-
-
-def load_reference(name: str, policy: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    dtype = next(policy.parameters()).dtype
-    reference = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
-    size = policy.get_input_embeddings().weight.shape[0]
-    if reference.get_input_embeddings().weight.shape[0] != size:
-        raise ConfigError(f"dpo.ref_model: {name!r} has {reference.get_input_embeddings().weight.shape[0]} token "
-                          f"embeddings, the policy {size}; give a model of the same tokenizer")
-    return frozen_copy(reference).to(device)

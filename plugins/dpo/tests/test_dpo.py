@@ -1,5 +1,6 @@
 """engine-dpo against TRL 1.16's DPOTrainer: the same rows, the same tiny Llama (same initial weights), the
-same schedule give the same per-step losses and reward metrics, for every loss type, with a full model and a
+same DPOConfig (the engine's run converted from it by ``engine.migrate``) give the same per-step losses and reward
+metrics, for every loss type, with a full model and a
 frozen copy as the reference, with a LoRA adapter (the reference: the adapter off) and with precomputed
 reference log-probs. Then what TRL has no counterpart for: bit-exact resume, and bad input refused.
 
@@ -75,19 +76,25 @@ def logged(log_history):
             if "loss" in entry and "train_loss" not in entry]
 
 
-def trl_rows(tmp_path, tokenizer, train, model, ref_model=None, peft_config=None, **dpo):
-    args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, bf16=False,
+def dpo_config(tmp_path, **dpo):
+    return trl.DPOConfig(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, bf16=False,
                          gradient_checkpointing=False, max_length=128, **{**SCHEDULE, **dpo})
-    trainer = trl.DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=train,
+
+
+def trl_rows(tmp_path, tokenizer, train, model, ref_model=None, peft_config=None, **dpo):
+    trainer = trl.DPOTrainer(model=model, ref_model=ref_model, args=dpo_config(tmp_path, **dpo), train_dataset=train,
                              processing_class=tokenizer, peft_config=peft_config)
     trainer.train()
     return logged(trainer.state.log_history)
 
 
-def engine_rows(tmp_path, tokenizer, train, model, plugins=("dpo",), sections=None, **dpo):
-    mapping = {"plugins": list(plugins), "data": {"packing": False, "max_length": 128}, "dpo": dpo,
-               "train": {**SCHEDULE, "output_dir": str(tmp_path / "engine"), "save_final_model": False},
-               **(sections or {})}
+def engine_rows(tmp_path, tokenizer, train, model, plugins=("dpo",), data=None, **dpo):
+    """The engine's rows, its run converted by ``engine.migrate`` from the same DPOConfig as TRL's."""
+    mapping = engine.migrate(dpo_config(tmp_path, **dpo)).mapping
+    assert mapping["plugins"] == ["dpo"] and mapping["data"]["packing"] is False
+    mapping["plugins"] = list(plugins)
+    mapping["train"].update(output_dir=str(tmp_path / "engine"), save_final_model=False)
+    mapping["data"].update(data or {})
     run = engine.Run(mapping, model=model, tokenizer=tokenizer, train_dataset=train)
     run.train()
     return logged(run.state.log_history)
@@ -141,9 +148,7 @@ def test_lora_with_the_adapter_off_as_the_reference_matches_dpo_trainer(tmp_path
     train = dataset(pair_rows())
     theirs = trl_rows(tmp_path, tokenizer, train, copy.deepcopy(model), learning_rate=1e-2)
     before = {name: p.detach().clone() for name, p in model.named_parameters() if "lora_" not in name}
-    ours = engine_rows(tmp_path, tokenizer, train, model, plugins=["dpo", "peft"],
-                       sections={"train": {**SCHEDULE, "learning_rate": 1e-2, "output_dir": str(tmp_path / "engine"),
-                                           "save_final_model": False}})
+    ours = engine_rows(tmp_path, tokenizer, train, model, plugins=["dpo", "peft"], learning_rate=1e-2)
     assert_same_rows(ours, theirs)
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters() if name in before)
 
@@ -157,15 +162,14 @@ def test_precomputed_reference_log_probs_match_dpo_trainer_and_are_read_back_on_
     model = llama(tokenizer)
     theirs = trl_rows(tmp_path, tokenizer, train, copy.deepcopy(model), copy.deepcopy(model),
                       precompute_ref_log_probs=True)
-    sections = {"data": {"packing": False, "max_length": 128, "train": str(rows)}}
-    ours = engine_rows(tmp_path, tokenizer, None, copy.deepcopy(model), sections=sections,
+    ours = engine_rows(tmp_path, tokenizer, None, copy.deepcopy(model), data={"train": str(rows)},
                        precompute_ref_log_probs=True)
     assert_same_rows(ours, theirs)
     calls = []
     forward = transformers.LlamaForCausalLM.forward
     try:
         transformers.LlamaForCausalLM.forward = lambda self, *a, **k: calls.append(self.training) or forward(self, *a, **k)
-        again = engine_rows(tmp_path / "again", tokenizer, None, copy.deepcopy(model), sections=sections,
+        again = engine_rows(tmp_path / "again", tokenizer, None, copy.deepcopy(model), data={"train": str(rows)},
                             precompute_ref_log_probs=True)
     finally:
         transformers.LlamaForCausalLM.forward = forward
@@ -242,3 +246,80 @@ def test_preference_rows_without_a_preference_plugin_are_refused(tmp_path, token
     mapping = {"data": {"packing": False, "train": path}, "train": {**SCHEDULE, "output_dir": str(tmp_path / "out")}}
     with pytest.raises(ConfigError, match=r'enable one: plugins = \["dpo"\]'):
         engine.Run(mapping, model=llama(tokenizer), tokenizer=tokenizer).train()
+
+
+# ---------------------------------------------------------------------------- two processes
+
+
+def test_two_ddp_processes_train_as_one_with_twice_the_batch(tmp_path, tokenizer):
+    """``torchrun -m engine train`` with the ddp plugin, each process a frozen copy of the starting weights as
+    its reference, against one process with the whole batch: the same weights (SGD, float32)."""
+    from safetensors.torch import load_file
+
+    from engine.testing import torchrun
+
+    model_dir = tmp_path / "start"
+    llama(tokenizer).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    data = write_jsonl(tmp_path / "pairs.jsonl", pair_rows(16))
+    train = {"model": str(model_dir), "max_steps": 3, "optim": "sgd", "learning_rate": 0.05, "logging_steps": 1,
+             "save_strategy": "no", "disable_tqdm": True, "seed": 0}
+    sections = {"data": {"train": data, "packing": False, "max_length": 128}}
+    two = tmp_path / "two.toml"
+    two.write_text(engine.to_toml({"plugins": ["dpo", "ddp"], **sections, "train": {
+        **train, "per_device_train_batch_size": 4, "output_dir": str(tmp_path / "two")}}))
+    result = torchrun(["-m", "engine", "train", str(two)], nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    one = engine.Run({"plugins": ["dpo"], **sections,
+                      "train": {**train, "per_device_train_batch_size": 8, "output_dir": str(tmp_path / "one")}})
+    one.train()
+    theirs = load_file(tmp_path / "two" / "model.safetensors")
+    ours = load_file(tmp_path / "one" / "model.safetensors")
+    assert max(float((theirs[name] - ours[name]).abs().max()) for name in ours) < 1e-5
+    logged = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    np.testing.assert_allclose([row["loss"] for row in logged if "rewards/margins" in row],
+                               [row["loss"] for row in one.state.log_history if "rewards/margins" in row], atol=1e-5)
+
+
+def test_the_sft_then_dpo_examples_train_the_second_from_the_first(tmp_path, monkeypatch):
+    """examples/sft.toml, then examples/dpo.toml from its output (model and tokenizer), a few steps each; the
+    DPO run's report draws the reward margins."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("ENGINE_REPORT", "full")  # the suite's conftest turns the end-of-run report off
+    sft = engine.Run(str(ROOT / "examples" / "sft.toml"),
+                     overrides=["train.max_steps=4", f"train.output_dir={tmp_path / 'sft'}"])
+    sft.train()
+    dpo = engine.Run(str(ROOT / "examples" / "dpo.toml"),
+                     overrides=["train.max_steps=4", f"train.model={tmp_path / 'sft'}",
+                                f"train.output_dir={tmp_path / 'dpo'}"])
+    dpo.train()
+    assert len(dpo.tokenizer) == len(sft.tokenizer) and dpo.tokenizer.get_vocab() == sft.tokenizer.get_vocab()
+    assert any("rewards/margins" in row for row in dpo.state.log_history)
+    assert "](report-rewards.png)" in (tmp_path / "dpo" / "report.md").read_text()
+    assert (tmp_path / "dpo" / "report-rewards.png").stat().st_size > 1000
+
+
+def implicit(rows):
+    """Rows without a prompt column: chosen and rejected hold the whole conversation (UltraFeedback's layout)."""
+    return [{"chosen": row["prompt"] + row["chosen"], "rejected": row["prompt"] + row["rejected"]} for row in rows]
+
+
+def test_implicit_prompts_match_dpo_trainer(tmp_path, tokenizer):
+    train = dataset(implicit(pair_rows(chat=True)))
+    model = llama(tokenizer)
+    theirs = trl_rows(tmp_path, tokenizer, train, copy.deepcopy(model), copy.deepcopy(model))
+    assert_same_rows(engine_rows(tmp_path, tokenizer, train, model), theirs)
+
+
+def test_a_mixture_of_pairs_with_a_held_out_split_evaluates_the_reward_metrics(tmp_path, tokenizer):
+    rows = implicit(pair_rows(16, chat=True))
+    first, second = write_jsonl(tmp_path / "a.jsonl", rows[:8]), write_jsonl(tmp_path / "b.jsonl", rows[8:])
+    mapping = {"plugins": ["dpo"], "data": {"packing": False, "max_length": 64, "eval_split": 0.25, "mixture": [
+        {"source": first, "columns": ["chosen", "rejected"]}, {"source": second, "weight": 0.5}]},
+        "train": {**SCHEDULE, "per_device_train_batch_size": 4, "output_dir": str(tmp_path / "out"),
+                  "eval_strategy": "steps", "eval_steps": 2}}
+    run = engine.Run(mapping, model=llama(tokenizer), tokenizer=tokenizer)
+    run.train()
+    assert len(run.train_dataset) + len(run.eval_dataset) == 12  # 8 + half of 8
+    evaluated = next(entry for entry in run.state.log_history if "eval_loss" in entry)
+    assert 0 <= evaluated["eval_rewards/accuracies"] <= 1
