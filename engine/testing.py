@@ -639,6 +639,80 @@ def max_difference(weights: dict[str, torch.Tensor], model: torch.nn.Module | di
     return max((weights[name] - value.detach().cpu()).abs().max().item() for name, value in reference.items())
 
 
+# ---------------------------------------------------------------------------- preference plugins' parity tests
+
+# word reversals (the first rows of examples/data/reversals.jsonl): preference rows prefer the reversal
+REVERSALS = ("the food great", "great day", "it film and great", "food it bright and fine", "quite and a lovely quite",
+             "fine food", "and lovely quite the", "it day very", "and food", "quite the quite", "the it",
+             "the and was and", "very very lovely food", "lovely great", "great great very", "great lovely bright bright")
+# the schedule a parity test gives both sides: two logged steps of 8 rows, read in order
+PARITY_SCHEDULE = {"max_steps": 2, "per_device_train_batch_size": 8, "learning_rate": 1e-3, "logging_steps": 1,
+                   "optim": "adamw_torch", "save_strategy": "no", "train_sampling_strategy": "sequential", "seed": 0,
+                   "disable_tqdm": True, "lr_scheduler_type": "linear", "warmup_steps": 0}
+
+
+def reversed_words(source: str) -> str:
+    return " ".join(reversed(source.split()))
+
+
+def preference_rows(count: int = 16, layout: str = "text") -> list[dict[str, Any]]:
+    """``count`` (at most 16) preference pairs, the reversal of some words chosen over the words as they came:
+    ``layout`` "text" (prompt, chosen, rejected), "chat" (the same as conversations) or "implicit" (text
+    without a prompt column: chosen and rejected start with it, TRL's implicit prompt)."""
+    rows = []
+    for source in REVERSALS[:count]:
+        target = reversed_words(source)
+        if layout == "chat":
+            rows.append({"prompt": [{"role": "user", "content": f"reverse {source}"}],
+                         "chosen": [{"role": "assistant", "content": target}],
+                         "rejected": [{"role": "assistant", "content": source}]})
+        elif layout == "implicit":
+            rows.append({"chosen": f"{source} reversed is {target}", "rejected": f"{source} reversed is {source}"})
+        else:
+            rows.append({"prompt": f"{source} reversed ", "chosen": f"is {target}", "rejected": f"is {source}"})
+    return rows
+
+
+def preference_tokenizer() -> Any:
+    """A :func:`chatml_tokenizer` trained on the text of :func:`preference_rows`."""
+    return chatml_tokenizer([f"{source} reversed is {reversed_words(source)}" for source in REVERSALS] +
+                            ["user assistant reverse"])
+
+
+def llama_for(tokenizer: Any, seed: int = 0, num_labels: int | None = None) -> torch.nn.Module:
+    """A 2-layer Llama (hidden size 32) of ``tokenizer``'s vocabulary and pad/eos ids, seeded: a causal LM, or
+    with ``num_labels`` a sequence classifier."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, **({"num_labels": num_labels} if num_labels else {}))
+    if num_labels:
+        return transformers.LlamaForSequenceClassification(config)
+    return transformers.LlamaForCausalLM(config)
+
+
+def logged_rows(log_history: list[dict[str, Any]], keys: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The training log rows (Trainer's ``state.log_history`` or the engine's), ``keys`` of each."""
+    return [{k: v for k, v in entry.items() if k in keys} for entry in log_history
+            if "loss" in entry and "train_loss" not in entry]
+
+
+def assert_same_rows(ours: list[dict[str, Any]], theirs: list[dict[str, Any]], keys: tuple[str, ...],
+                     tolerance: float, steps: int = PARITY_SCHEDULE["max_steps"]) -> None:
+    """Both sides logged ``steps`` rows holding every one of ``keys``, equal within ``tolerance``; it trained."""
+    import numpy as np
+
+    assert len(ours) == len(theirs) == steps, (ours, theirs)
+    assert ours[0] != ours[-1], "nothing changed from the first step to the last"
+    for mine, other in zip(ours, theirs):
+        assert set(mine) == set(other) == set(keys), (sorted(set(keys) - set(mine)), sorted(set(keys) - set(other)))
+        np.testing.assert_allclose([mine[k] for k in keys], [other[k] for k in keys], rtol=0, atol=tolerance,
+                                   err_msg=str([(k, mine[k], other[k]) for k in keys]))
+
+
 TEST_CORPUS = "\n".join(f"record {i}: the quick brown fox {i % 7} jumps over {i % 13} lazy dogs" for i in range(1500))
 
 

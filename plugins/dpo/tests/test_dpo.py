@@ -20,60 +20,30 @@ import pytest
 import torch
 import transformers
 
+from datasets import Dataset
+
 import engine
 from engine import ConfigError
-from engine.testing import assert_resume_is_exact, chatml_tokenizer, write_jsonl
+from engine.testing import (
+    PARITY_SCHEDULE, assert_resume_is_exact, llama_for, logged_rows, preference_rows, preference_tokenizer, write_jsonl,
+)
 
 trl = pytest.importorskip("trl")
 
 ROOT = Path(__file__).resolve().parents[3]
 TOLERANCE = 5e-5
-SCHEDULE = {"max_steps": 2, "per_device_train_batch_size": 8, "learning_rate": 1e-3, "logging_steps": 1,
-            "optim": "adamw_torch", "save_strategy": "no", "train_sampling_strategy": "sequential", "seed": 0,
-            "disable_tqdm": True, "lr_scheduler_type": "linear", "warmup_steps": 0}
+SCHEDULE = PARITY_SCHEDULE
 COMPARED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
             "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy")
 
 
-def reversals(count: int = 16) -> list[dict[str, str]]:
-    lines = (ROOT / "examples" / "data" / "reversals.jsonl").read_text().splitlines()[:count]
-    return [json.loads(line) for line in lines]
-
-
 def pair_rows(count: int = 16, chat: bool = False) -> list[dict]:
-    """Word reversals as preference pairs: the reversal chosen, the word itself rejected."""
-    if chat:
-        return [{"prompt": [{"role": "user", "content": f"reverse {p['source']}"}],
-                 "chosen": [{"role": "assistant", "content": p["target"]}],
-                 "rejected": [{"role": "assistant", "content": p["source"]}]} for p in reversals(count)]
-    return [{"prompt": f"{p['source']} reversed ", "chosen": f"is {p['target']}", "rejected": f"is {p['source']}"}
-            for p in reversals(count)]
-
-
-def dataset(rows):
-    import datasets
-
-    return datasets.Dataset.from_list(rows)
+    return preference_rows(count, "chat" if chat else "text")
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    pairs = reversals()
-    return chatml_tokenizer([f"{p['source']} reversed is {p['target']}" for p in pairs] + ["user assistant reverse"])
-
-
-def llama(tokenizer, seed: int = 0):
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id)
-    return transformers.LlamaForCausalLM(config)
-
-
-def logged(log_history):
-    return [{k: v for k, v in entry.items() if k in COMPARED} for entry in log_history
-            if "loss" in entry and "train_loss" not in entry]
+    return preference_tokenizer()
 
 
 def dpo_config(tmp_path, **dpo):
@@ -85,7 +55,7 @@ def trl_rows(tmp_path, tokenizer, train, model, ref_model=None, peft_config=None
     trainer = trl.DPOTrainer(model=model, ref_model=ref_model, args=dpo_config(tmp_path, **dpo), train_dataset=train,
                              processing_class=tokenizer, peft_config=peft_config)
     trainer.train()
-    return logged(trainer.state.log_history)
+    return logged_rows(trainer.state.log_history, COMPARED)
 
 
 def engine_rows(tmp_path, tokenizer, train, model, plugins=("dpo",), data=None, **dpo):
@@ -97,7 +67,7 @@ def engine_rows(tmp_path, tokenizer, train, model, plugins=("dpo",), data=None, 
     mapping["data"].update(data or {})
     run = engine.Run(mapping, model=model, tokenizer=tokenizer, train_dataset=train)
     run.train()
-    return logged(run.state.log_history)
+    return logged_rows(run.state.log_history, COMPARED)
 
 
 def assert_same_rows(ours, theirs):
@@ -117,8 +87,8 @@ LOSSES = [("sigmoid", {}), ("hinge", {}), ("ipo", {}), ("exo_pair", {"label_smoo
 
 @pytest.mark.parametrize("loss_type, extra", LOSSES, ids=[name for name, _ in LOSSES])
 def test_each_loss_type_matches_dpo_trainer(tmp_path, tokenizer, loss_type, extra):
-    train = dataset(pair_rows())
-    model = llama(tokenizer)
+    train = Dataset.from_list(pair_rows())
+    model = llama_for(tokenizer)
     theirs = trl_rows(tmp_path, tokenizer, train, copy.deepcopy(model), copy.deepcopy(model), loss_type=[loss_type],
                       **extra)
     assert_same_rows(engine_rows(tmp_path, tokenizer, train, model, loss_type=[loss_type], **extra), theirs)
@@ -131,8 +101,8 @@ def test_each_loss_type_matches_dpo_trainer(tmp_path, tokenizer, loss_type, extr
     {"f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.3},
 ], ids=["rpo", "ld_alpha", "js", "alpha"])
 def test_weighted_losses_and_divergences_match_dpo_trainer_on_conversations(tmp_path, tokenizer, dpo):
-    train = dataset(pair_rows(chat=True))
-    model = llama(tokenizer)
+    train = Dataset.from_list(pair_rows(chat=True))
+    model = llama_for(tokenizer)
     theirs = trl_rows(tmp_path, tokenizer, train, copy.deepcopy(model), copy.deepcopy(model), **dpo)
     assert_same_rows(engine_rows(tmp_path, tokenizer, train, model, **dpo), theirs)
 
@@ -144,8 +114,8 @@ def test_lora_with_the_adapter_off_as_the_reference_matches_dpo_trainer(tmp_path
 
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     torch.manual_seed(1)
-    model = peft.get_peft_model(llama(tokenizer), config)
-    train = dataset(pair_rows())
+    model = peft.get_peft_model(llama_for(tokenizer), config)
+    train = Dataset.from_list(pair_rows())
     theirs = trl_rows(tmp_path, tokenizer, train, copy.deepcopy(model), learning_rate=1e-2)
     before = {name: p.detach().clone() for name, p in model.named_parameters() if "lora_" not in name}
     ours = engine_rows(tmp_path, tokenizer, train, model, plugins=["dpo", "peft"], learning_rate=1e-2)
@@ -159,7 +129,7 @@ def test_precomputed_reference_log_probs_match_dpo_trainer_and_are_read_back_on_
     import datasets
 
     train = datasets.load_dataset("json", data_files=str(rows), split="train")
-    model = llama(tokenizer)
+    model = llama_for(tokenizer)
     theirs = trl_rows(tmp_path, tokenizer, train, copy.deepcopy(model), copy.deepcopy(model),
                       precompute_ref_log_probs=True)
     ours = engine_rows(tmp_path, tokenizer, None, copy.deepcopy(model), data={"train": str(rows)},
@@ -179,9 +149,9 @@ def test_precomputed_reference_log_probs_match_dpo_trainer_and_are_read_back_on_
 
 def test_a_resume_is_bit_exact_and_the_reference_untouched(tmp_path, tokenizer):
     check = assert_resume_is_exact(
-        4, 2, tmp_path, plugins=["dpo"], make_model=lambda seed: llama(tokenizer, seed), resumed_model_seed=0,
+        4, 2, tmp_path, plugins=["dpo"], make_model=lambda seed: llama_for(tokenizer, seed), resumed_model_seed=0,
         tokenizer=tokenizer,
-        dataset=dataset(pair_rows()), data_collator=None,
+        dataset=Dataset.from_list(pair_rows()), data_collator=None,
         sections={"data": {"packing": False, "max_length": 128}},
         train={"per_device_train_batch_size": 4, "learning_rate": 1e-2, "train_sampling_strategy": "sequential"})
     state = torch.load(check.checkpoint / "engine_state.pt", weights_only=True)["plugins"]["dpo"]
@@ -190,12 +160,12 @@ def test_a_resume_is_bit_exact_and_the_reference_untouched(tmp_path, tokenizer):
 
 
 def test_a_resume_against_another_reference_is_refused(tmp_path, tokenizer):
-    train = dataset(pair_rows())
+    train = Dataset.from_list(pair_rows())
     settings = {"data": {"packing": False, "max_length": 128}, "plugins": ["dpo"],
                 "train": {**SCHEDULE, "output_dir": str(tmp_path), "save_strategy": "steps", "save_steps": 2}}
-    engine.Run(settings, model=llama(tokenizer), tokenizer=tokenizer, train_dataset=train).train()
+    engine.Run(settings, model=llama_for(tokenizer), tokenizer=tokenizer, train_dataset=train).train()
     resumed = {**settings, "train": {**settings["train"], "max_steps": 4, "resume_from_checkpoint": True}}
-    run = engine.Run(resumed, model=llama(tokenizer, seed=5), tokenizer=tokenizer, train_dataset=train)
+    run = engine.Run(resumed, model=llama_for(tokenizer, seed=5), tokenizer=tokenizer, train_dataset=train)
     with pytest.raises(ConfigError, match="trained against another reference"):
         run.train()
 
@@ -203,8 +173,8 @@ def test_a_resume_against_another_reference_is_refused(tmp_path, tokenizer):
 def test_evaluation_logs_the_reward_metrics(tmp_path, tokenizer):
     mapping = {"plugins": ["dpo"], "data": {"packing": False, "max_length": 128},
                "train": {**SCHEDULE, "output_dir": str(tmp_path), "eval_strategy": "steps", "eval_steps": 2}}
-    run = engine.Run(mapping, model=llama(tokenizer), tokenizer=tokenizer, train_dataset=dataset(pair_rows()),
-                     eval_dataset=dataset(pair_rows(8)))
+    run = engine.Run(mapping, model=llama_for(tokenizer), tokenizer=tokenizer, train_dataset=Dataset.from_list(pair_rows()),
+                     eval_dataset=Dataset.from_list(pair_rows(8)))
     run.train()
     evaluated = next(entry for entry in run.state.log_history if "eval_loss" in entry)
     assert {"eval_rewards/margins", "eval_rewards/accuracies", "eval_logps/chosen"} <= set(evaluated)
@@ -219,7 +189,7 @@ def refused(tmp_path, tokenizer, rows, dpo=None, data=None):
     mapping = {"plugins": ["dpo"], "dpo": dpo or {}, "data": {"packing": False, "max_length": 128, **(data or {})},
                "train": {**SCHEDULE, "output_dir": str(tmp_path / "out")}}
     with pytest.raises(ConfigError) as error:
-        engine.Run(mapping, model=llama(tokenizer), tokenizer=tokenizer, train_dataset=dataset(rows)).train()
+        engine.Run(mapping, model=llama_for(tokenizer), tokenizer=tokenizer, train_dataset=Dataset.from_list(rows)).train()
     assert not (tmp_path / "out" / "checkpoint-1").exists()
     return str(error.value)
 
@@ -245,7 +215,7 @@ def test_preference_rows_without_a_preference_plugin_are_refused(tmp_path, token
     path = write_jsonl(tmp_path / "pairs.jsonl", pair_rows(4))
     mapping = {"data": {"packing": False, "train": path}, "train": {**SCHEDULE, "output_dir": str(tmp_path / "out")}}
     with pytest.raises(ConfigError, match=r'enable one: plugins = \["dpo"\]'):
-        engine.Run(mapping, model=llama(tokenizer), tokenizer=tokenizer).train()
+        engine.Run(mapping, model=llama_for(tokenizer), tokenizer=tokenizer).train()
 
 
 # ---------------------------------------------------------------------------- two processes
@@ -259,7 +229,7 @@ def test_two_ddp_processes_train_as_one_with_twice_the_batch(tmp_path, tokenizer
     from engine.testing import torchrun
 
     model_dir = tmp_path / "start"
-    llama(tokenizer).save_pretrained(model_dir)
+    llama_for(tokenizer).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     data = write_jsonl(tmp_path / "pairs.jsonl", pair_rows(16))
     train = {"model": str(model_dir), "max_steps": 3, "optim": "sgd", "learning_rate": 0.05, "logging_steps": 1,
@@ -305,8 +275,8 @@ def implicit(rows):
 
 
 def test_implicit_prompts_match_dpo_trainer(tmp_path, tokenizer):
-    train = dataset(implicit(pair_rows(chat=True)))
-    model = llama(tokenizer)
+    train = Dataset.from_list(implicit(pair_rows(chat=True)))
+    model = llama_for(tokenizer)
     theirs = trl_rows(tmp_path, tokenizer, train, copy.deepcopy(model), copy.deepcopy(model))
     assert_same_rows(engine_rows(tmp_path, tokenizer, train, model), theirs)
 
@@ -318,7 +288,7 @@ def test_a_mixture_of_pairs_with_a_held_out_split_evaluates_the_reward_metrics(t
         {"source": first, "columns": ["chosen", "rejected"]}, {"source": second, "weight": 0.5}]},
         "train": {**SCHEDULE, "per_device_train_batch_size": 4, "output_dir": str(tmp_path / "out"),
                   "eval_strategy": "steps", "eval_steps": 2}}
-    run = engine.Run(mapping, model=llama(tokenizer), tokenizer=tokenizer)
+    run = engine.Run(mapping, model=llama_for(tokenizer), tokenizer=tokenizer)
     run.train()
     assert len(run.train_dataset) + len(run.eval_dataset) == 12  # 8 + half of 8
     evaluated = next(entry for entry in run.state.log_history if "eval_loss" in entry)

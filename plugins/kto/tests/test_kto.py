@@ -12,7 +12,6 @@ another order; the largest measured difference is 6.2e-6 (logps/chosen, about -3
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import numpy as np
@@ -20,69 +19,44 @@ import pytest
 import torch
 import transformers
 
+from datasets import Dataset
+
 import engine
 from engine import ConfigError
-from engine.testing import assert_resume_is_exact, chatml_tokenizer, write_jsonl
+from engine.testing import (
+    PARITY_SCHEDULE, REVERSALS, assert_resume_is_exact, llama_for, logged_rows, preference_rows, preference_tokenizer, reversed_words, write_jsonl,
+)
 
 trl = pytest.importorskip("trl")
 
 ROOT = Path(__file__).resolve().parents[3]
 TOLERANCE = 5e-5
-SCHEDULE = {"max_steps": 2, "per_device_train_batch_size": 8, "learning_rate": 1e-3, "logging_steps": 1,
-            "optim": "adamw_torch", "save_strategy": "no", "train_sampling_strategy": "sequential", "seed": 0,
-            "disable_tqdm": True, "lr_scheduler_type": "linear", "warmup_steps": 0}
+SCHEDULE = PARITY_SCHEDULE
 COMPARED = ("loss", "grad_norm", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
             "logps/rejected", "logits/chosen", "logits/rejected", "entropy")
-
-
-def reversals(count: int = 16) -> list[dict[str, str]]:
-    lines = (ROOT / "examples" / "data" / "reversals.jsonl").read_text().splitlines()[:count]
-    return [json.loads(line) for line in lines]
 
 
 def unpaired_rows(count: int = 16, chat: bool = False) -> list[dict]:
     """Word reversals with feedback: the reversal desirable, the word itself not; two desirable rows in three."""
     rows = []
-    for i, p in enumerate(reversals(count)):
+    for i, source in enumerate(REVERSALS[:count]):
         desirable = i % 3 != 0
-        completion = f"is {p['target'] if desirable else p['source']}"
+        completion = f"is {reversed_words(source) if desirable else source}"
         if chat:
-            rows.append({"prompt": [{"role": "user", "content": f"reverse {p['source']}"}],
+            rows.append({"prompt": [{"role": "user", "content": f"reverse {source}"}],
                          "completion": [{"role": "assistant", "content": completion}], "label": desirable})
         else:
-            rows.append({"prompt": f"{p['source']} reversed ", "completion": completion, "label": desirable})
+            rows.append({"prompt": f"{source} reversed ", "completion": completion, "label": desirable})
     return rows
 
 
 def pair_rows(count: int = 16) -> list[dict]:
-    return [{"prompt": f"{p['source']} reversed ", "chosen": f"is {p['target']}", "rejected": f"is {p['source']}"}
-            for p in reversals(count)]
-
-
-def dataset(rows):
-    import datasets
-
-    return datasets.Dataset.from_list(rows)
+    return preference_rows(count)
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    pairs = reversals()
-    return chatml_tokenizer([f"{p['source']} reversed is {p['target']}" for p in pairs] + ["user assistant reverse"])
-
-
-def llama(tokenizer, seed: int = 0):
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id)
-    return transformers.LlamaForCausalLM(config)
-
-
-def logged(log_history):
-    return [{k: v for k, v in entry.items() if k in COMPARED} for entry in log_history
-            if "loss" in entry and "train_loss" not in entry]
+    return preference_tokenizer()
 
 
 def trl_rows(tmp_path, tokenizer, train, model, ref_model=None, peft_config=None, **kto):
@@ -91,7 +65,7 @@ def trl_rows(tmp_path, tokenizer, train, model, ref_model=None, peft_config=None
     trainer = trl.KTOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=train,
                              processing_class=tokenizer, peft_config=peft_config)
     trainer.train()
-    return logged(trainer.state.log_history)
+    return logged_rows(trainer.state.log_history, COMPARED)
 
 
 def engine_rows(tmp_path, tokenizer, train, model, plugins=("kto",), sections=None, **kto):
@@ -100,7 +74,7 @@ def engine_rows(tmp_path, tokenizer, train, model, plugins=("kto",), sections=No
                **(sections or {})}
     run = engine.Run(mapping, model=model, tokenizer=tokenizer, train_dataset=train)
     run.train()
-    return logged(run.state.log_history)
+    return logged_rows(run.state.log_history, COMPARED)
 
 
 def assert_same_rows(ours, theirs):
@@ -119,8 +93,8 @@ def assert_same_rows(ours, theirs):
     {"desirable_weight": 0.6, "undesirable_weight": 1.3, "beta": 0.5},
 ], ids=["kto", "apo_zero_unpaired", "weights"])
 def test_losses_match_kto_trainer(tmp_path, tokenizer, kto):
-    train = dataset(unpaired_rows())
-    model = llama(tokenizer)
+    train = Dataset.from_list(unpaired_rows())
+    model = llama_for(tokenizer)
     theirs = trl_rows(tmp_path, tokenizer, train, copy.deepcopy(model), copy.deepcopy(model), **kto)
     ours = engine_rows(tmp_path, tokenizer, train, model, **kto)
     assert_same_rows(ours, theirs)
@@ -134,19 +108,19 @@ def test_losses_match_kto_trainer(tmp_path, tokenizer, kto):
 def test_conversations_and_paired_rows_match_kto_trainer(tmp_path, tokenizer):
     """Conversations through the chat template; then pairs, which both unpair (chosen rows, then rejected): 4 pairs
     make one batch of 4 desirable and 4 undesirable rows."""
-    model = llama(tokenizer)
-    train = dataset(unpaired_rows(chat=True))
+    model = llama_for(tokenizer)
+    train = Dataset.from_list(unpaired_rows(chat=True))
     theirs = trl_rows(tmp_path, tokenizer, train, copy.deepcopy(model), copy.deepcopy(model))
     assert_same_rows(engine_rows(tmp_path, tokenizer, train, copy.deepcopy(model)), theirs)
-    pairs = dataset(pair_rows(4))
+    pairs = Dataset.from_list(pair_rows(4))
     theirs = trl_rows(tmp_path / "pairs", tokenizer, pairs, copy.deepcopy(model), copy.deepcopy(model))
     assert_same_rows(engine_rows(tmp_path / "pairs", tokenizer, pairs, model), theirs)
 
 
 def test_a_batch_of_one_kind_logs_no_margin_as_kto_trainer(tmp_path, tokenizer):
     """16 pairs unpaired: the first 16 rows are desirable, so neither step has a rejected row."""
-    model = llama(tokenizer)
-    pairs = dataset(pair_rows(16))
+    model = llama_for(tokenizer)
+    pairs = Dataset.from_list(pair_rows(16))
     theirs = trl_rows(tmp_path, tokenizer, pairs, copy.deepcopy(model), copy.deepcopy(model))
     ours = engine_rows(tmp_path, tokenizer, pairs, model)
     assert_same_rows(ours, theirs)
@@ -156,8 +130,8 @@ def test_a_batch_of_one_kind_logs_no_margin_as_kto_trainer(tmp_path, tokenizer):
 def test_metrics_averaged_over_accumulated_batches_as_kto_trainer(tmp_path, tokenizer):
     """Batches of 2, 2 accumulated, a log row every 2 steps: 4 pairs unpaired give batches of desirable rows only,
     then undesirable only, so a row has rewards/chosen and rewards/rejected but no batch with both (no margin)."""
-    model = llama(tokenizer)
-    pairs = dataset(pair_rows(4))
+    model = llama_for(tokenizer)
+    pairs = Dataset.from_list(pair_rows(4))
     schedule = {"max_steps": 4, "logging_steps": 2, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}
     theirs = trl_rows(tmp_path, tokenizer, pairs, copy.deepcopy(model), copy.deepcopy(model), **schedule)
     ours = engine_rows(tmp_path, tokenizer, pairs, model,
@@ -173,8 +147,8 @@ def test_lora_with_the_adapter_off_as_the_reference_matches_kto_trainer(tmp_path
 
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     torch.manual_seed(1)
-    model = peft.get_peft_model(llama(tokenizer), config)
-    train = dataset(unpaired_rows())
+    model = peft.get_peft_model(llama_for(tokenizer), config)
+    train = Dataset.from_list(unpaired_rows())
     theirs = trl_rows(tmp_path, tokenizer, train, copy.deepcopy(model), learning_rate=1e-2)
     before = {name: p.detach().clone() for name, p in model.named_parameters() if "lora_" not in name}
     ours = engine_rows(tmp_path, tokenizer, train, model, plugins=["kto", "peft"],
@@ -189,7 +163,7 @@ def test_precomputed_reference_log_probs_match_kto_trainer_and_are_read_back_on_
     import datasets
 
     train = datasets.load_dataset("json", data_files=str(rows), split="train")
-    model = llama(tokenizer)
+    model = llama_for(tokenizer)
     theirs = trl_rows(tmp_path, tokenizer, train, copy.deepcopy(model), precompute_ref_log_probs=True,
                       precompute_ref_batch_size=5)
     sections = {"data": {"packing": False, "max_length": 128, "train": str(rows)}}
@@ -210,8 +184,8 @@ def test_precomputed_reference_log_probs_match_kto_trainer_and_are_read_back_on_
 
 def test_a_resume_is_bit_exact_and_the_reference_recorded(tmp_path, tokenizer):
     check = assert_resume_is_exact(
-        4, 2, tmp_path, plugins=["kto"], make_model=lambda seed: llama(tokenizer, seed), resumed_model_seed=0,
-        tokenizer=tokenizer, dataset=dataset(unpaired_rows()), data_collator=None,
+        4, 2, tmp_path, plugins=["kto"], make_model=lambda seed: llama_for(tokenizer, seed), resumed_model_seed=0,
+        tokenizer=tokenizer, dataset=Dataset.from_list(unpaired_rows()), data_collator=None,
         sections={"data": {"packing": False, "max_length": 128}},
         train={"per_device_train_batch_size": 4, "learning_rate": 1e-2, "train_sampling_strategy": "sequential"})
     state = torch.load(check.checkpoint / "engine_state.pt", weights_only=True)["plugins"]["kto"]
@@ -220,12 +194,12 @@ def test_a_resume_is_bit_exact_and_the_reference_recorded(tmp_path, tokenizer):
 
 
 def test_a_resume_against_another_reference_is_refused(tmp_path, tokenizer):
-    train = dataset(unpaired_rows())
+    train = Dataset.from_list(unpaired_rows())
     settings = {"data": {"packing": False, "max_length": 128}, "plugins": ["kto"],
                 "train": {**SCHEDULE, "output_dir": str(tmp_path), "save_strategy": "steps", "save_steps": 2}}
-    engine.Run(settings, model=llama(tokenizer), tokenizer=tokenizer, train_dataset=train).train()
+    engine.Run(settings, model=llama_for(tokenizer), tokenizer=tokenizer, train_dataset=train).train()
     resumed = {**settings, "train": {**settings["train"], "max_steps": 4, "resume_from_checkpoint": True}}
-    run = engine.Run(resumed, model=llama(tokenizer, seed=5), tokenizer=tokenizer, train_dataset=train)
+    run = engine.Run(resumed, model=llama_for(tokenizer, seed=5), tokenizer=tokenizer, train_dataset=train)
     with pytest.raises(ConfigError, match="trained against another reference"):
         run.train()
 
@@ -233,8 +207,8 @@ def test_a_resume_against_another_reference_is_refused(tmp_path, tokenizer):
 def test_evaluation_logs_the_metrics(tmp_path, tokenizer):
     mapping = {"plugins": ["kto"], "data": {"packing": False, "max_length": 128},
                "train": {**SCHEDULE, "output_dir": str(tmp_path), "eval_strategy": "steps", "eval_steps": 2}}
-    run = engine.Run(mapping, model=llama(tokenizer), tokenizer=tokenizer, train_dataset=dataset(unpaired_rows()),
-                     eval_dataset=dataset(unpaired_rows(8)))
+    run = engine.Run(mapping, model=llama_for(tokenizer), tokenizer=tokenizer, train_dataset=Dataset.from_list(unpaired_rows()),
+                     eval_dataset=Dataset.from_list(unpaired_rows(8)))
     run.train()
     evaluated = next(entry for entry in run.state.log_history if "eval_loss" in entry)
     assert {"eval_kl", "eval_rewards/margins", "eval_logps/chosen", "eval_entropy"} <= set(evaluated)
@@ -247,7 +221,7 @@ def refused(tmp_path, tokenizer, rows, kto=None, data=None, train=None):
     mapping = {"plugins": ["kto"], "kto": kto or {}, "data": {"packing": False, "max_length": 128, **(data or {})},
                "train": {**SCHEDULE, "output_dir": str(tmp_path / "out"), **(train or {})}}
     with pytest.raises(ConfigError) as error:
-        engine.Run(mapping, model=llama(tokenizer), tokenizer=tokenizer, train_dataset=dataset(rows)).train()
+        engine.Run(mapping, model=llama_for(tokenizer), tokenizer=tokenizer, train_dataset=Dataset.from_list(rows)).train()
     assert not (tmp_path / "out" / "checkpoint-1").exists()
     message = str(error.value)
     assert "\n" not in message
@@ -274,7 +248,7 @@ def test_a_collator_without_the_kl_rows_is_refused(tmp_path, tokenizer):
 
     mapping = {"plugins": ["kto"], "data": {"packing": False, "max_length": 128},
                "train": {**SCHEDULE, "output_dir": str(tmp_path)}}
-    run = engine.Run(mapping, model=llama(tokenizer), tokenizer=tokenizer, train_dataset=dataset(unpaired_rows(8)),
+    run = engine.Run(mapping, model=llama_for(tokenizer), tokenizer=tokenizer, train_dataset=Dataset.from_list(unpaired_rows(8)),
                      data_collator=CompletionCollator(tokenizer.pad_token_id, 128))
     with pytest.raises(ConfigError, match="the batches lack KL_input_ids"):
         run.train()

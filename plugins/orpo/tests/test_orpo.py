@@ -15,18 +15,17 @@ selective_log_softmax; the largest measured difference is 7.6e-7.
 from __future__ import annotations
 
 import copy
-import json
 import os
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-import transformers
+
+from datasets import Dataset
 
 import engine
 from engine import ConfigError
-from engine.testing import chatml_tokenizer
+from engine.testing import PARITY_SCHEDULE, llama_for, logged_rows, preference_rows, preference_tokenizer
 
 pytest.importorskip("trl")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -34,59 +33,27 @@ from trl.experimental.orpo import ORPOConfig, ORPOTrainer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 TOLERANCE = 2e-5
-SCHEDULE = {"max_steps": 2, "per_device_train_batch_size": 8, "learning_rate": 1e-3, "logging_steps": 1,
-            "optim": "adamw_torch", "save_strategy": "no", "train_sampling_strategy": "sequential", "seed": 0,
-            "disable_tqdm": True, "lr_scheduler_type": "linear", "warmup_steps": 0}
+SCHEDULE = PARITY_SCHEDULE
 COMPARED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
             "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "nll_loss", "log_odds_ratio",
             "log_odds_chosen")
 
 
-def reversals(count: int = 16) -> list[dict[str, str]]:
-    lines = (ROOT / "examples" / "data" / "reversals.jsonl").read_text().splitlines()[:count]
-    return [json.loads(line) for line in lines]
-
-
 def pair_rows(count: int = 16) -> list[dict]:
-    """Word reversals as preference pairs: the reversal chosen, the word itself rejected."""
-    return [{"prompt": f"{p['source']} reversed ", "chosen": f"is {p['target']}", "rejected": f"is {p['source']}"}
-            for p in reversals(count)]
+    return preference_rows(count)
 
 
 def chat_rows(count: int = 16) -> list[dict]:
-    return [{"prompt": [{"role": "user", "content": f"reverse {p['source']}"}],
-             "chosen": [{"role": "assistant", "content": p["target"]}],
-             "rejected": [{"role": "assistant", "content": p["source"]}]} for p in reversals(count)]
-
-
-def dataset(rows):
-    import datasets
-
-    return datasets.Dataset.from_list(rows)
+    return preference_rows(count, "chat")
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    """The dpo tests' tokenizer without its bos token (it is eos as well, and never added on encode; TRL's
-    ORPO would prepend it to every prompt, the data builtin not)."""
-    pairs = reversals()
-    tokenizer = chatml_tokenizer([f"{p['source']} reversed is {p['target']}" for p in pairs] + ["user assistant reverse"])
+    """The preference tokenizer without its bos token (it is eos as well, and never added on encode; TRL's ORPO
+    would prepend it to every prompt, the data builtin not)."""
+    tokenizer = preference_tokenizer()
     tokenizer.bos_token = None
     return tokenizer
-
-
-def llama(tokenizer, seed: int = 0):
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id)
-    return transformers.LlamaForCausalLM(config)
-
-
-def logged(log_history):
-    return [{k: v for k, v in entry.items() if k in COMPARED} for entry in log_history
-            if "loss" in entry and "train_loss" not in entry]
 
 
 def trl_trainer(tmp_path, tokenizer, train, model, **orpo):
@@ -108,14 +75,14 @@ def engine_examples(tmp_path, tokenizer, rows):
     """The examples the data builtin makes of ``rows`` for the plugin (setup only, no training)."""
     mapping = {"plugins": ["orpo"], "data": {"packing": False, "max_length": 128},
                "train": {**SCHEDULE, "per_device_train_batch_size": 2, "output_dir": str(tmp_path / "engine")}}
-    run = engine.Run(mapping, model=llama(tokenizer), tokenizer=tokenizer, train_dataset=dataset(rows))
+    run = engine.Run(mapping, model=llama_for(tokenizer), tokenizer=tokenizer, train_dataset=Dataset.from_list(rows))
     run.setup()
     return run.train_dataset
 
 
 def test_tokenization_matches_orpo_trainer(tmp_path, tokenizer):
     """Each row's prompt + completion ids and where the completion starts (TRL's labels: -100 over the prompt)."""
-    theirs = trl_trainer(tmp_path, tokenizer, dataset(pair_rows()), llama(tokenizer)).train_dataset
+    theirs = trl_trainer(tmp_path, tokenizer, Dataset.from_list(pair_rows()), llama_for(tokenizer)).train_dataset
     ours = engine_examples(tmp_path, tokenizer, pair_rows())
     assert len(ours) == len(theirs) == 16
     for mine, other in zip(ours, theirs):
@@ -132,11 +99,11 @@ def test_where_the_tokenization_differs_from_orpo_trainer(tmp_path, tokenizer):
     the chat template's end of turn (the data builtin takes the template's tokens as they are)."""
     with_bos = copy.deepcopy(tokenizer)
     with_bos.bos_token = "<|endoftext|>"  # the engine's trained tokenizers: bos = eos, never added on encode
-    theirs = trl_trainer(tmp_path, with_bos, dataset(pair_rows(4)), llama(with_bos)).train_dataset
+    theirs = trl_trainer(tmp_path, with_bos, Dataset.from_list(pair_rows(4)), llama_for(with_bos)).train_dataset
     for mine, other in zip(engine_examples(tmp_path, with_bos, pair_rows(4)), theirs):
         assert other["chosen_input_ids"] == [with_bos.bos_token_id] + mine["prompt_ids"] + mine["chosen_ids"]
     conversations = chat_rows(4)
-    theirs = trl_trainer(tmp_path, tokenizer, dataset(conversations), llama(tokenizer)).train_dataset
+    theirs = trl_trainer(tmp_path, tokenizer, Dataset.from_list(conversations), llama_for(tokenizer)).train_dataset
     for mine, other in zip(engine_examples(tmp_path, tokenizer, conversations), theirs):
         assert other["chosen_input_ids"] == mine["prompt_ids"] + mine["chosen_ids"] + [tokenizer.eos_token_id]
 
@@ -145,12 +112,12 @@ def test_where_the_tokenization_differs_from_orpo_trainer(tmp_path, tokenizer):
                                             (0.5, {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2})],
                          ids=["beta0.1", "beta1", "accumulated"])
 def test_losses_and_metrics_match_orpo_trainer(tmp_path, tokenizer, beta, schedule):
-    train = dataset(pair_rows())
-    model = llama(tokenizer)
+    train = Dataset.from_list(pair_rows())
+    model = llama_for(tokenizer)
     trainer = trl_trainer(tmp_path, tokenizer, train, copy.deepcopy(model), beta=beta, **schedule)
     trainer.train()
-    theirs = logged(trainer.state.log_history)
-    ours = logged(engine_run(tmp_path, tokenizer, train, model, schedule, beta=beta).state.log_history)
+    theirs = logged_rows(trainer.state.log_history, COMPARED)
+    ours = logged_rows(engine_run(tmp_path, tokenizer, train, model, schedule, beta=beta).state.log_history, COMPARED)
     assert len(ours) == len(theirs) == SCHEDULE["max_steps"]
     assert ours[0]["loss"] != ours[-1]["loss"]
     for mine, other in zip(ours, theirs):
@@ -162,8 +129,8 @@ def test_losses_and_metrics_match_orpo_trainer(tmp_path, tokenizer, beta, schedu
 def test_evaluation_logs_the_metrics(tmp_path, tokenizer):
     mapping = {"plugins": ["orpo"], "data": {"packing": False, "max_length": 128},
                "train": {**SCHEDULE, "output_dir": str(tmp_path), "eval_strategy": "steps", "eval_steps": 2}}
-    run = engine.Run(mapping, model=llama(tokenizer), tokenizer=tokenizer, train_dataset=dataset(pair_rows()),
-                     eval_dataset=dataset(pair_rows(8)))
+    run = engine.Run(mapping, model=llama_for(tokenizer), tokenizer=tokenizer, train_dataset=Dataset.from_list(pair_rows()),
+                     eval_dataset=Dataset.from_list(pair_rows(8)))
     run.train()
     evaluated = next(entry for entry in run.state.log_history if "eval_loss" in entry)
     assert {"eval_nll_loss", "eval_log_odds_ratio", "eval_rewards/margins"} <= set(evaluated)
@@ -173,7 +140,7 @@ def refused(tmp_path, tokenizer, rows, orpo=None, data=None, train=None):
     mapping = {"plugins": ["orpo"], "orpo": orpo or {}, "data": {"packing": False, "max_length": 128, **(data or {})},
                "train": {**SCHEDULE, "output_dir": str(tmp_path / "out"), **(train or {})}}
     with pytest.raises(ConfigError) as error:
-        engine.Run(mapping, model=llama(tokenizer), tokenizer=tokenizer, train_dataset=dataset(rows)).train()
+        engine.Run(mapping, model=llama_for(tokenizer), tokenizer=tokenizer, train_dataset=Dataset.from_list(rows)).train()
     assert not (tmp_path / "out" / "checkpoint-1").exists()
     message = str(error.value)
     assert "\n" not in message

@@ -11,7 +11,6 @@ engine logs its metrics rounded to 6 decimals; the largest measured difference i
 from __future__ import annotations
 
 import copy
-import json
 import logging
 from pathlib import Path
 
@@ -20,62 +19,31 @@ import pytest
 import torch
 import transformers
 
+from datasets import Dataset
+
 import engine
 from engine import ConfigError
-from engine.testing import chatml_tokenizer, write_jsonl
+from engine.testing import PARITY_SCHEDULE, llama_for, logged_rows, preference_rows, preference_tokenizer, write_jsonl
 
 trl = pytest.importorskip("trl")
 
 ROOT = Path(__file__).resolve().parents[3]
 TOLERANCE = 2e-6  # measured: at most 4.8e-7, the engine's 6-decimal rounding
-SCHEDULE = {"max_steps": 2, "per_device_train_batch_size": 8, "learning_rate": 1e-3, "logging_steps": 1,
-            "optim": "adamw_torch", "save_strategy": "no", "train_sampling_strategy": "sequential", "seed": 0,
-            "disable_tqdm": True, "lr_scheduler_type": "linear", "warmup_steps": 0}
+SCHEDULE = PARITY_SCHEDULE
 COMPARED = ("loss", "grad_norm", "accuracy", "margin", "min_reward", "mean_reward", "max_reward")
 
 
-def reversals(count: int = 16) -> list[dict[str, str]]:
-    lines = (ROOT / "examples" / "data" / "reversals.jsonl").read_text().splitlines()[:count]
-    return [json.loads(line) for line in lines]
-
-
 def pair_rows(count: int = 16, chat: bool = False, implicit: bool = False) -> list[dict]:
-    """Word reversals as preference pairs: the reversal chosen, the word itself rejected."""
-    if chat:
-        return [{"prompt": [{"role": "user", "content": f"reverse {p['source']}"}],
-                 "chosen": [{"role": "assistant", "content": p["target"]}],
-                 "rejected": [{"role": "assistant", "content": p["source"]}]} for p in reversals(count)]
-    if implicit:
-        return [{"chosen": f"{p['source']} reversed is {p['target']}", "rejected": f"{p['source']} reversed is "
-                 f"{p['source']}"} for p in reversals(count)]
-    return [{"prompt": f"{p['source']} reversed ", "chosen": f"is {p['target']}", "rejected": f"is {p['source']}"}
-            for p in reversals(count)]
-
-
-def dataset(rows):
-    import datasets
-
-    return datasets.Dataset.from_list(rows)
+    return preference_rows(count, "chat" if chat else "implicit" if implicit else "text")
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    pairs = reversals()
-    return chatml_tokenizer([f"{p['source']} reversed is {p['target']}" for p in pairs] + ["user assistant reverse"])
+    return preference_tokenizer()
 
 
 def scorer(tokenizer, seed: int = 0, num_labels: int = 1):
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, num_labels=num_labels)
-    return transformers.LlamaForSequenceClassification(config)
-
-
-def logged(log_history):
-    return [{k: v for k, v in entry.items() if k in COMPARED} for entry in log_history
-            if "loss" in entry and "train_loss" not in entry]
+    return llama_for(tokenizer, seed, num_labels=num_labels)
 
 
 def trl_rows(tmp_path, tokenizer, train, model, max_length=128, **reward):
@@ -83,7 +51,7 @@ def trl_rows(tmp_path, tokenizer, train, model, max_length=128, **reward):
                             gradient_checkpointing=False, max_length=max_length, **{**SCHEDULE, **reward})
     trainer = trl.RewardTrainer(model=model, args=args, train_dataset=train, processing_class=tokenizer)
     trainer.train()
-    return logged(trainer.state.log_history), trainer
+    return logged_rows(trainer.state.log_history, COMPARED), trainer
 
 
 def engine_run(tmp_path, tokenizer, train, model, data=None, train_keys=None, **reward):
@@ -96,7 +64,7 @@ def engine_run(tmp_path, tokenizer, train, model, data=None, train_keys=None, **
 
 
 def engine_rows(*args, **kwargs):
-    return logged(engine_run(*args, **kwargs).state.log_history)
+    return logged_rows(engine_run(*args, **kwargs).state.log_history, COMPARED)
 
 
 def assert_same_rows(ours, theirs):
@@ -115,7 +83,7 @@ def assert_same_rows(ours, theirs):
     ("implicit", {}),
 ], ids=["text", "centered", "chat-centered", "implicit-prompt"])
 def test_losses_and_metrics_match_reward_trainer(tmp_path, tokenizer, rows, reward):
-    train = dataset(pair_rows(chat=rows == "chat", implicit=rows == "implicit"))
+    train = Dataset.from_list(pair_rows(chat=rows == "chat", implicit=rows == "implicit"))
     model = scorer(tokenizer)
     theirs, _ = trl_rows(tmp_path, tokenizer, train, copy.deepcopy(model), **reward)
     assert_same_rows(engine_rows(tmp_path, tokenizer, train, model, **reward), theirs)
@@ -127,7 +95,7 @@ def test_without_a_pad_token_the_eos_pads_as_in_reward_trainer(tmp_path, tokeniz
     plain.pad_token = None
     model = scorer(plain)
     model.config.pad_token_id = None
-    train = dataset(pair_rows())
+    train = Dataset.from_list(pair_rows())
     theirs, _ = trl_rows(tmp_path, copy.deepcopy(plain), train, copy.deepcopy(model))
     assert_same_rows(engine_rows(tmp_path, plain, train, model), theirs)
     assert model.config.pad_token_id == plain.eos_token_id and plain.pad_token is None
@@ -141,17 +109,17 @@ def test_a_given_lora_model_of_sequence_classification_matches_reward_trainer(tm
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
                              task_type="SEQ_CLS")
     model = peft.get_peft_model(scorer(tokenizer), config)
-    train = dataset(pair_rows())
+    train = Dataset.from_list(pair_rows())
     theirs, _ = trl_rows(tmp_path, tokenizer, train, copy.deepcopy(model), learning_rate=1e-2)
     assert_same_rows(engine_rows(tmp_path, tokenizer, train, model, train_keys={"learning_rate": 1e-2}), theirs)
 
 
 def test_a_margin_column_matches_reward_trainer(tmp_path, tokenizer):
     rows = [{**row, "margin": 0.25 * (i % 4)} for i, row in enumerate(pair_rows())]
-    train = dataset(rows)
+    train = Dataset.from_list(rows)
     model = scorer(tokenizer)
     theirs, _ = trl_rows(tmp_path, tokenizer, train, copy.deepcopy(model))
-    plain, _ = trl_rows(tmp_path / "plain", tokenizer, dataset(pair_rows()), copy.deepcopy(model))
+    plain, _ = trl_rows(tmp_path / "plain", tokenizer, Dataset.from_list(pair_rows()), copy.deepcopy(model))
     assert abs(theirs[0]["loss"] - plain[0]["loss"]) > 1e-3  # the margin counts
     assert_same_rows(engine_rows(tmp_path, tokenizer, train, model), theirs)
     path = write_jsonl(tmp_path / "pairs.jsonl", rows)  # the data builtin keeps the column of a file's rows
@@ -162,10 +130,10 @@ def test_the_tokens_are_trls(tmp_path, tokenizer):
     """prompt_ids + chosen_ids (the data builtin's split) are TRL's chosen_ids (prompt + chosen tokenized whole),
     text, implicit prompt and conversations; the batches the model sees are TRL's."""
     for rows in (pair_rows(), pair_rows(implicit=True), pair_rows(chat=True)):
-        _, trainer = trl_rows(tmp_path, tokenizer, dataset(rows), scorer(tokenizer), max_steps=1)
+        _, trainer = trl_rows(tmp_path, tokenizer, Dataset.from_list(rows), scorer(tokenizer), max_steps=1)
         run = engine.Run({"plugins": ["reward"], "data": {"packing": False},
                           "train": {**SCHEDULE, "output_dir": str(tmp_path / "engine")}},
-                         model=scorer(tokenizer), tokenizer=tokenizer, train_dataset=dataset(rows))
+                         model=scorer(tokenizer), tokenizer=tokenizer, train_dataset=Dataset.from_list(rows))
         run.setup()
         ours = [{"chosen_ids": e["prompt_ids"] + e["chosen_ids"], "rejected_ids": e["prompt_ids"] + e["rejected_ids"]}
                 for e in run.train_dataset]
@@ -177,7 +145,7 @@ def test_the_tokens_are_trls(tmp_path, tokenizer):
 def test_pairs_longer_than_max_length_are_cut_or_left_out_as_trl_counted(tmp_path, tokenizer, caplog):
     rows = pair_rows()
     rows[3] = {**rows[3], "chosen": rows[3]["chosen"] + " is" * 40}
-    train = dataset(rows)
+    train = Dataset.from_list(rows)
     model = scorer(tokenizer)
     theirs, trainer = trl_rows(tmp_path, tokenizer, train, copy.deepcopy(model), max_length=24)
     assert len(trainer.train_dataset) == 15  # TRL left one out, without a word
@@ -198,8 +166,8 @@ def test_evaluation_logs_the_reward_metrics_and_the_pad_token_is_set(tmp_path, t
     model.config.pad_token_id = None  # TRL sets it from the tokenizer; so does the plugin
     mapping = {"plugins": ["reward"], "data": {"packing": False},
                "train": {**SCHEDULE, "output_dir": str(tmp_path), "eval_strategy": "steps", "eval_steps": 2}}
-    run = engine.Run(mapping, model=model, tokenizer=tokenizer, train_dataset=dataset(pair_rows()),
-                     eval_dataset=dataset(pair_rows(8)))
+    run = engine.Run(mapping, model=model, tokenizer=tokenizer, train_dataset=Dataset.from_list(pair_rows()),
+                     eval_dataset=Dataset.from_list(pair_rows(8)))
     run.train()
     assert model.config.pad_token_id == tokenizer.pad_token_id
     evaluated = next(entry for entry in run.state.log_history if "eval_loss" in entry)
@@ -215,7 +183,7 @@ def refused(tmp_path, tokenizer, rows=None, model=None, reward=None, data=None, 
                "data": {"packing": False, "max_length": 128, **(data or {})},
                "train": {**SCHEDULE, "output_dir": str(tmp_path / "out"), **(train or {})}}
     if rows is not None:
-        run_kwargs["train_dataset"] = dataset(rows)
+        run_kwargs["train_dataset"] = Dataset.from_list(rows)
     with pytest.raises(ConfigError) as error:
         engine.Run(mapping, model=model, tokenizer=tokenizer, **run_kwargs).train()
     assert not (tmp_path / "out" / "checkpoint-1").exists()
