@@ -31,3 +31,11 @@ def test_dpoconfigs_keys_the_plugin_lacks_are_reported_not_dropped():
     assert migration.mapping["dpo"] == {"beta": 0.2, "loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]}
     lost = " ".join(what for what, _ in migration.lost)
     assert all(name in lost for name in ("use_weighting", "sync_ref_model", "truncation_mode"))
+
+
+def test_the_docs_table_answers_every_dpoconfig_key_as_the_code_does():
+    from engine.tooling.dpo_args import DPO_FIELDS
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "migrate-sft.md").read_text()
+    rows = [f"| `{name}` | {answer.describe(name).replace('|', chr(92) + '|')} |" for name, answer in DPO_FIELDS.items()]
+    assert [row for row in rows if row not in page] == []  # stale: re-render the table into docs/migrate-sft.md

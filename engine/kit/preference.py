@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from engine import hookimpl
 from engine.errors import ConfigError
 from engine.util import is_peft_model
 
@@ -115,6 +116,7 @@ class TokenLogps:
     logps: torch.Tensor  # [B, T-1] log-probability of each next token, 0 outside the completion
     mask: torch.Tensor  # [B, T-1] 1 on completion tokens
     logits: torch.Tensor  # [B, T-1, V] the logits that predicted them
+    log_probs: torch.Tensor  # [B, T-1, V] their log-softmax, float32 (kept for the backward anyway)
 
     @property
     def sums(self) -> torch.Tensor:
@@ -131,16 +133,16 @@ def token_logps(model: torch.nn.Module, batch: dict[str, Any]) -> TokenLogps:
     logits = (outputs.logits if hasattr(outputs, "logits") else outputs[0])[:, :-1]
     mask = batch["completion_mask"][:, 1:]
     targets = batch["input_ids"][:, 1:].masked_fill(mask == 0, 0)
-    logps = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return TokenLogps(logps * mask, mask, logits)
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    logps = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return TokenLogps(logps * mask, mask, logits, log_probs)
 
 
 def completion_metrics(found: TokenLogps) -> dict[str, torch.Tensor]:
     """``entropy`` and ``mean_token_accuracy`` of the completions (of the first half: the chosen rows, for
     pairs), as TRL logs them; no gradient."""
     with torch.no_grad():
-        logits, mask = found.logits.float(), found.mask.bool()
-        log_probs = torch.log_softmax(logits, dim=-1)
+        mask, log_probs = found.mask.bool(), found.log_probs
         entropy = -(log_probs.exp() * log_probs).sum(-1)
         return {"entropy": entropy[mask].sum() / mask.sum().clamp(min=1)}
 
@@ -187,6 +189,25 @@ class MetricMeans:
         if run.strategy.world_size > 1:
             means = run.strategy.reduce(means.to(run.strategy.device), "mean")
         return {name: round(float(value), 6) for name, value in zip(names, means.tolist())}
+
+
+class PairsPlugin:
+    """The hooks a plugin learning from pairs shares (orpo, cpo): the pairs' columns kept, their collator,
+    dropout off when its section's ``disable_dropout`` says so. Subclass it, naming the plugin (``name``)."""
+
+    name = ""
+
+    @hookimpl
+    def keep_columns(self, run: Any) -> list[str]:
+        return list(PAIR_COLUMNS)
+
+    @hookimpl
+    def create_collator(self, run: Any) -> PairCollator:
+        return PairCollator(pad_token_id(run.tokenizer), run.config.data.max_length)
+
+    @hookimpl
+    def patch_model(self, run: Any, model: torch.nn.Module) -> Callable[[], None] | None:
+        return disable_dropout(model) if run.config.section(self.name).disable_dropout else None
 
 
 def check_causal_lm_rows(run: Any, plugin: str) -> None:

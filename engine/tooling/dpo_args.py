@@ -10,12 +10,10 @@ keep SFT's, and :data:`DPO_FIELDS` answers the rest. What a recipe leaves out is
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from typing import Any
 
 from engine.kit.mappings import BUILTIN, PLUGIN, REFUSED, Answer, Conversion, refused
-from engine.tooling.sft_args import MODEL_FIELDS, SCRIPT_FIELDS, SFT_FIELDS
+from engine.tooling.sft_args import MODEL_FIELDS, SCRIPT_FIELDS, SFT_FIELDS, trl_defaults
 
 # fields only DPOConfig (and older DPO recipes) have: their presence says a DPO config
 DPO_ONLY = ("beta", "precompute_ref_log_probs", "f_divergence_type", "ld_alpha", "rpo_alpha", "reference_free",
@@ -97,16 +95,7 @@ def is_dpo(arguments: dict[str, Any]) -> bool:
 
 
 def dpo_defaults() -> dict[str, Any]:
-    """DPOConfig's, ModelConfig's and ScriptArguments' field defaults, as a dump holds them (bf16 None, as SFT)."""
-    from trl import DPOConfig, ModelConfig, ScriptArguments
+    """DPOConfig's, ModelConfig's and ScriptArguments' field defaults, as a dump holds them."""
+    from trl import DPOConfig
 
-    defaults: dict[str, Any] = {}
-    for cls in (DPOConfig, ModelConfig, ScriptArguments):
-        for f in dataclasses.fields(cls):
-            if f.default is not dataclasses.MISSING:
-                defaults[f.name] = f.default
-            elif f.default_factory is not dataclasses.MISSING:
-                defaults[f.name] = f.default_factory()
-    defaults.update(json.loads(DPOConfig(output_dir="trainer_output", bf16=False).to_json_string()))
-    defaults["bf16"] = None
-    return json.loads(json.dumps(defaults, default=str))
+    return trl_defaults(DPOConfig)

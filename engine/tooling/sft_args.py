@@ -352,17 +352,25 @@ def is_sft(arguments: dict[str, Any]) -> bool:
 def sft_defaults() -> dict[str, Any]:
     """SFTConfig's, ModelConfig's and ScriptArguments' field defaults (SFTConfig's ``bf16`` None: its
     __post_init__ would make it true, which a default instance refuses on a CPU), as a dump holds them."""
-    from trl import ModelConfig, ScriptArguments, SFTConfig
+    from trl import SFTConfig
+
+    return trl_defaults(SFTConfig)
+
+
+def trl_defaults(config_class: type) -> dict[str, Any]:
+    """The field defaults of TRL's ``config_class`` (SFTConfig, DPOConfig), ModelConfig and ScriptArguments, as a
+    dump holds them (``bf16`` None: true unless fp16)."""
+    from trl import ModelConfig, ScriptArguments
 
     defaults: dict[str, Any] = {}
-    for cls in (SFTConfig, ModelConfig, ScriptArguments):
+    for cls in (config_class, ModelConfig, ScriptArguments):
         for f in dataclasses.fields(cls):
             if f.default is not dataclasses.MISSING:
                 defaults[f.name] = f.default
             elif f.default_factory is not dataclasses.MISSING:
                 defaults[f.name] = f.default_factory()
     # as a dump holds the fields it rewrites (hub_token masked, accelerator_config filled in, debug a list)
-    defaults.update(json.loads(SFTConfig(output_dir="trainer_output", bf16=False).to_json_string()))
+    defaults.update(json.loads(config_class(output_dir="trainer_output", bf16=False).to_json_string()))
     defaults["bf16"] = None
     return json.loads(json.dumps(defaults, default=str))
 

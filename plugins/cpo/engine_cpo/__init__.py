@@ -32,9 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import ConfigError, hookimpl, option
-from engine.kit.preference import (
-    PAIR_COLUMNS, MetricMeans, PairCollator, check_causal_lm_rows, disable_dropout, token_logps,
-)
+from engine.kit.preference import MetricMeans, PairsPlugin, check_causal_lm_rows, token_logps
 
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
 AVERAGED = ("ipo", "simpo")  # the losses of log-probabilities averaged over each completion's tokens
@@ -72,7 +70,7 @@ def check_options(options: CPOOptions) -> None:
         raise ConfigError(f"cpo.beta: the {options.loss_type} loss divides by it; set it above 0")
 
 
-class CPO:
+class CPO(PairsPlugin):
     """The plugin: one instance per run."""
 
     name = "cpo"
@@ -96,22 +94,6 @@ class CPO:
         shape = f", AlphaPO alpha {options.alpha:g}" if options.alpha else ""
         return [f"loss {options.loss_type} (beta {options.beta:g}{extra}{shape}) + {options.cpo_alpha:g} * chosen "
                 "NLL; no reference model"]
-
-    @hookimpl
-    def keep_columns(self, run):
-        return list(PAIR_COLUMNS)
-
-    @hookimpl
-    def create_collator(self, run):
-        tokenizer = run.tokenizer
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        return PairCollator(pad, run.config.data.max_length)
-
-    @hookimpl
-    def patch_model(self, run, model):
-        if run.config.section("cpo").disable_dropout:
-            return disable_dropout(model)
-        return None
 
     @hookimpl
     def compute_loss(self, run, model, batch, num_items_in_batch):

@@ -245,7 +245,9 @@ def test_two_ddp_processes_train_as_one_with_twice_the_batch(tmp_path, tokenizer
     one.train()
     theirs = load_file(tmp_path / "two" / "model.safetensors")
     ours = load_file(tmp_path / "one" / "model.safetensors")
-    assert max(float((theirs[name] - ours[name]).abs().max()) for name in ours) < 1e-5
+    difference = max(float((theirs[name] - ours[name]).abs().max()) for name in ours)
+    print(f"max |weight difference|, two processes vs one: {difference:.2e}")
+    assert difference < 1e-5
     logged = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     np.testing.assert_allclose([row["loss"] for row in logged if "rewards/margins" in row],
                                [row["loss"] for row in one.state.log_history if "rewards/margins" in row], atol=1e-5)
@@ -293,3 +295,15 @@ def test_a_mixture_of_pairs_with_a_held_out_split_evaluates_the_reward_metrics(t
     assert len(run.train_dataset) + len(run.eval_dataset) == 12  # 8 + half of 8
     evaluated = next(entry for entry in run.state.log_history if "eval_loss" in entry)
     assert 0 <= evaluated["eval_rewards/accuracies"] <= 1
+
+
+def test_a_ref_model_folder_of_the_starting_weights_is_the_frozen_copy(tmp_path, tokenizer):
+    folder = tmp_path / "reference"
+    llama_for(tokenizer).save_pretrained(folder)
+    train = Dataset.from_list(pair_rows())
+    copied = engine_rows(tmp_path / "copy", tokenizer, train, llama_for(tokenizer))
+    mapping = {"plugins": ["dpo"], "dpo": {"ref_model": str(folder)}, "data": {"packing": False, "max_length": 128},
+               "train": {**SCHEDULE, "output_dir": str(tmp_path / "folder"), "save_final_model": False}}
+    run = engine.Run(mapping, model=llama_for(tokenizer), tokenizer=tokenizer, train_dataset=train)
+    run.train()
+    assert logged_rows(run.state.log_history, COMPARED) == copied

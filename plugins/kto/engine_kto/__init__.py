@@ -230,11 +230,9 @@ class KTO:
         losses = torch.cat((options.desirable_weight * chosen_losses, options.undesirable_weight * rejected_losses), 0)
 
         with torch.no_grad():
-            mask = found.mask
-            logits = found.logits.float()
-            log_probs = torch.log_softmax(logits, dim=-1)
+            mask, log_probs = found.mask, found.log_probs
             entropy = -(log_probs.exp() * log_probs).sum(-1)
-            mean_logits = logits.mean(-1)
+            mean_logits = found.logits.float().mean(-1)
             chosen_mask = mask.index_select(0, chosen_idx).bool()
             rejected_mask = mask.index_select(0, rejected_idx).bool()
             self.metrics.add(model.training, kl.float(), {

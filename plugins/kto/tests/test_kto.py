@@ -252,3 +252,11 @@ def test_a_collator_without_the_kl_rows_is_refused(tmp_path, tokenizer):
                      data_collator=CompletionCollator(tokenizer.pad_token_id, 128))
     with pytest.raises(ConfigError, match="the batches lack KL_input_ids"):
         run.train()
+
+
+def test_a_ref_model_folder_of_the_starting_weights_is_the_frozen_copy(tmp_path, tokenizer):
+    folder = tmp_path / "reference"
+    llama_for(tokenizer).save_pretrained(folder)
+    train = Dataset.from_list(unpaired_rows())
+    copied = engine_rows(tmp_path / "copy", tokenizer, train, llama_for(tokenizer))
+    assert engine_rows(tmp_path / "folder", tokenizer, train, llama_for(tokenizer), ref_model=str(folder)) == copied

@@ -28,9 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import hookimpl, option
-from engine.kit.preference import (
-    PAIR_COLUMNS, MetricMeans, PairCollator, check_causal_lm_rows, disable_dropout, token_logps,
-)
+from engine.kit.preference import MetricMeans, PairsPlugin, check_causal_lm_rows, token_logps
 
 
 @dataclass
@@ -42,7 +40,7 @@ class ORPOOptions:
     disable_dropout: bool = option(True, help="dropout off in the model (TRL's default)")
 
 
-class ORPO:
+class ORPO(PairsPlugin):
     """The plugin: one instance per run."""
 
     name = "orpo"
@@ -62,22 +60,6 @@ class ORPO:
     def plan_lines(self, run):
         options = run.config.section("orpo")
         return [f"loss: chosen NLL - {options.beta:g} * log sigmoid(log odds ratio); no reference model"]
-
-    @hookimpl
-    def keep_columns(self, run):
-        return list(PAIR_COLUMNS)
-
-    @hookimpl
-    def create_collator(self, run):
-        tokenizer = run.tokenizer
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        return PairCollator(pad, run.config.data.max_length)
-
-    @hookimpl
-    def patch_model(self, run, model):
-        if run.config.section("orpo").disable_dropout:
-            return disable_dropout(model)
-        return None
 
     @hookimpl
     def compute_loss(self, run, model, batch, num_items_in_batch):
