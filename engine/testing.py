@@ -644,7 +644,8 @@ def max_difference(weights: dict[str, torch.Tensor], model: torch.nn.Module | di
 # word reversals (the first rows of examples/data/reversals.jsonl): preference rows prefer the reversal
 REVERSALS = ("the food great", "great day", "it film and great", "food it bright and fine", "quite and a lovely quite",
              "fine food", "and lovely quite the", "it day very", "and food", "quite the quite", "the it",
-             "the and was and", "very very lovely food", "lovely great", "great great very", "great lovely bright bright")
+             "the and was and", "very very lovely food", "lovely great", "great great very",
+             "great lovely bright bright")
 # the schedule a parity test gives both sides: two logged steps of 8 rows, read in order
 PARITY_SCHEDULE = {"max_steps": 2, "per_device_train_batch_size": 8, "learning_rate": 1e-3, "logging_steps": 1,
                    "optim": "adamw_torch", "save_strategy": "no", "train_sampling_strategy": "sequential", "seed": 0,

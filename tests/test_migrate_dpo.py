@@ -37,5 +37,6 @@ def test_the_docs_table_answers_every_dpoconfig_key_as_the_code_does():
     from engine.tooling.dpo_args import DPO_FIELDS
 
     page = (Path(__file__).resolve().parents[1] / "docs" / "migrate-sft.md").read_text()
-    rows = [f"| `{name}` | {answer.describe(name).replace('|', chr(92) + '|')} |" for name, answer in DPO_FIELDS.items()]
+    rows = [f"| `{name}` | {answer.describe(name).replace('|', chr(92) + '|')} |"
+            for name, answer in DPO_FIELDS.items()]
     assert [row for row in rows if row not in page] == []  # stale: re-render the table into docs/migrate-sft.md

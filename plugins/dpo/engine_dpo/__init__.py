@@ -34,8 +34,8 @@ import torch.nn.functional as F
 
 from engine import ConfigError, hookimpl, option
 from engine.kit.preference import (
-    PAIR_COLUMNS, REFERENCE_COLUMNS, MetricMeans, PairCollator, Reference, check_causal_lm_rows, check_reference_options,
-    completion_metrics, disable_dropout, mean_logits, pad_token_id, pair_key, reference_plan, token_logps,
+    PAIR_COLUMNS, REFERENCE_COLUMNS, MetricMeans, PairCollator, Reference, check_causal_lm_rows,
+    check_reference_options, completion_metrics, disable_dropout, mean_logits, pad_token_id, pair_key, reference_plan, token_logps,
     top1_accuracy,
 )
 
@@ -248,7 +248,8 @@ def _scores(options: DPOOptions, chosen_logratios: torch.Tensor, rejected_lograt
 
     def score(logratios):
         clamp = {torch.float16: 11.0}.get(logratios.dtype, 80.0)
-        return (torch.exp(torch.clamp(((alpha - 1.0) * logratios).float(), max=clamp)) - 1.0).to(logratios.dtype) * scale
+        grown = torch.exp(torch.clamp(((alpha - 1.0) * logratios).float(), max=clamp)) - 1.0
+        return grown.to(logratios.dtype) * scale
 
     return score(chosen_logratios), score(rejected_logratios)
 

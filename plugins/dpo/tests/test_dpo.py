@@ -173,7 +173,8 @@ def test_a_resume_against_another_reference_is_refused(tmp_path, tokenizer):
 def test_evaluation_logs_the_reward_metrics(tmp_path, tokenizer):
     mapping = {"plugins": ["dpo"], "data": {"packing": False, "max_length": 128},
                "train": {**SCHEDULE, "output_dir": str(tmp_path), "eval_strategy": "steps", "eval_steps": 2}}
-    run = engine.Run(mapping, model=llama_for(tokenizer), tokenizer=tokenizer, train_dataset=Dataset.from_list(pair_rows()),
+    run = engine.Run(mapping, model=llama_for(tokenizer), tokenizer=tokenizer,
+                     train_dataset=Dataset.from_list(pair_rows()),
                      eval_dataset=Dataset.from_list(pair_rows(8)))
     run.train()
     evaluated = next(entry for entry in run.state.log_history if "eval_loss" in entry)
@@ -189,7 +190,8 @@ def refused(tmp_path, tokenizer, rows, dpo=None, data=None):
     mapping = {"plugins": ["dpo"], "dpo": dpo or {}, "data": {"packing": False, "max_length": 128, **(data or {})},
                "train": {**SCHEDULE, "output_dir": str(tmp_path / "out")}}
     with pytest.raises(ConfigError) as error:
-        engine.Run(mapping, model=llama_for(tokenizer), tokenizer=tokenizer, train_dataset=Dataset.from_list(rows)).train()
+        engine.Run(mapping, model=llama_for(tokenizer), tokenizer=tokenizer,
+                   train_dataset=Dataset.from_list(rows)).train()
     assert not (tmp_path / "out" / "checkpoint-1").exists()
     return str(error.value)
 

@@ -140,8 +140,8 @@ class KTO:
 
     @hookimpl
     def create_collator(self, run):
-        return UnpairedCollator(pad_token_id(run.tokenizer), run.config.data.max_length, run.config.section("kto").calculate_kl,
-                                self.reference.table)
+        return UnpairedCollator(pad_token_id(run.tokenizer), run.config.data.max_length,
+                                run.config.section("kto").calculate_kl, self.reference.table)
 
     @hookimpl
     def on_build_end(self, run):

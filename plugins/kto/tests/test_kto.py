@@ -24,7 +24,8 @@ from datasets import Dataset
 import engine
 from engine import ConfigError
 from engine.testing import (
-    PARITY_SCHEDULE, REVERSALS, assert_resume_is_exact, llama_for, logged_rows, preference_rows, preference_tokenizer, reversed_words, write_jsonl,
+    PARITY_SCHEDULE, REVERSALS, assert_resume_is_exact, llama_for, logged_rows, preference_rows, preference_tokenizer,
+    reversed_words, write_jsonl,
 )
 
 trl = pytest.importorskip("trl")
@@ -207,7 +208,8 @@ def test_a_resume_against_another_reference_is_refused(tmp_path, tokenizer):
 def test_evaluation_logs_the_metrics(tmp_path, tokenizer):
     mapping = {"plugins": ["kto"], "data": {"packing": False, "max_length": 128},
                "train": {**SCHEDULE, "output_dir": str(tmp_path), "eval_strategy": "steps", "eval_steps": 2}}
-    run = engine.Run(mapping, model=llama_for(tokenizer), tokenizer=tokenizer, train_dataset=Dataset.from_list(unpaired_rows()),
+    run = engine.Run(mapping, model=llama_for(tokenizer), tokenizer=tokenizer,
+                     train_dataset=Dataset.from_list(unpaired_rows()),
                      eval_dataset=Dataset.from_list(unpaired_rows(8)))
     run.train()
     evaluated = next(entry for entry in run.state.log_history if "eval_loss" in entry)
@@ -221,7 +223,8 @@ def refused(tmp_path, tokenizer, rows, kto=None, data=None, train=None):
     mapping = {"plugins": ["kto"], "kto": kto or {}, "data": {"packing": False, "max_length": 128, **(data or {})},
                "train": {**SCHEDULE, "output_dir": str(tmp_path / "out"), **(train or {})}}
     with pytest.raises(ConfigError) as error:
-        engine.Run(mapping, model=llama_for(tokenizer), tokenizer=tokenizer, train_dataset=Dataset.from_list(rows)).train()
+        engine.Run(mapping, model=llama_for(tokenizer), tokenizer=tokenizer,
+                   train_dataset=Dataset.from_list(rows)).train()
     assert not (tmp_path / "out" / "checkpoint-1").exists()
     message = str(error.value)
     assert "\n" not in message
@@ -248,7 +251,8 @@ def test_a_collator_without_the_kl_rows_is_refused(tmp_path, tokenizer):
 
     mapping = {"plugins": ["kto"], "data": {"packing": False, "max_length": 128},
                "train": {**SCHEDULE, "output_dir": str(tmp_path)}}
-    run = engine.Run(mapping, model=llama_for(tokenizer), tokenizer=tokenizer, train_dataset=Dataset.from_list(unpaired_rows(8)),
+    run = engine.Run(mapping, model=llama_for(tokenizer), tokenizer=tokenizer,
+                     train_dataset=Dataset.from_list(unpaired_rows(8)),
                      data_collator=CompletionCollator(tokenizer.pad_token_id, 128))
     with pytest.raises(ConfigError, match="the batches lack KL_input_ids"):
         run.train()

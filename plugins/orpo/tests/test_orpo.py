@@ -129,7 +129,8 @@ def test_losses_and_metrics_match_orpo_trainer(tmp_path, tokenizer, beta, schedu
 def test_evaluation_logs_the_metrics(tmp_path, tokenizer):
     mapping = {"plugins": ["orpo"], "data": {"packing": False, "max_length": 128},
                "train": {**SCHEDULE, "output_dir": str(tmp_path), "eval_strategy": "steps", "eval_steps": 2}}
-    run = engine.Run(mapping, model=llama_for(tokenizer), tokenizer=tokenizer, train_dataset=Dataset.from_list(pair_rows()),
+    run = engine.Run(mapping, model=llama_for(tokenizer), tokenizer=tokenizer,
+                     train_dataset=Dataset.from_list(pair_rows()),
                      eval_dataset=Dataset.from_list(pair_rows(8)))
     run.train()
     evaluated = next(entry for entry in run.state.log_history if "eval_loss" in entry)
@@ -140,7 +141,8 @@ def refused(tmp_path, tokenizer, rows, orpo=None, data=None, train=None):
     mapping = {"plugins": ["orpo"], "orpo": orpo or {}, "data": {"packing": False, "max_length": 128, **(data or {})},
                "train": {**SCHEDULE, "output_dir": str(tmp_path / "out"), **(train or {})}}
     with pytest.raises(ConfigError) as error:
-        engine.Run(mapping, model=llama_for(tokenizer), tokenizer=tokenizer, train_dataset=Dataset.from_list(rows)).train()
+        engine.Run(mapping, model=llama_for(tokenizer), tokenizer=tokenizer,
+                   train_dataset=Dataset.from_list(rows)).train()
     assert not (tmp_path / "out" / "checkpoint-1").exists()
     message = str(error.value)
     assert "\n" not in message
