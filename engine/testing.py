@@ -701,6 +701,21 @@ def logged_rows(log_history: list[dict[str, Any]], keys: tuple[str, ...]) -> lis
             if "loss" in entry and "train_loss" not in entry]
 
 
+def refusal(config: dict[str, Any], **run_kwargs: Any) -> str:
+    """The ``ConfigError`` that ``Run(config, **run_kwargs).train()`` raises, asserted to be one line and to come
+    before anything was trained into ``train.output_dir``."""
+    import pytest
+
+    from .errors import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        Run(config, **run_kwargs).train()
+    assert not (Path(config["train"]["output_dir"]) / "checkpoint-1").exists()
+    message = str(error.value)
+    assert "\n" not in message, message
+    return message
+
+
 def assert_same_rows(ours: list[dict[str, Any]], theirs: list[dict[str, Any]], keys: tuple[str, ...],
                      tolerance: float, steps: int = PARITY_SCHEDULE["max_steps"]) -> None:
     """Both sides logged ``steps`` rows holding every one of ``keys``, equal within ``tolerance``; it trained."""
