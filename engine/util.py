@@ -81,12 +81,15 @@ def call_user(key: str, name: str, function: Callable[..., Any], *args: Any) -> 
         raise UserCodeError(f"{key}: {name} raised {describe_exception(exc)}") from exc
 
 
-def require(module: str, package: str | None = None, feature: str = "", extra: str | None = None) -> Any:
+def require(module: str, package: str | None = None, feature: str = "", extra: str | None = None,
+            import_now: bool = True) -> Any:
     """Import ``module`` or raise :class:`MissingDependencyError` naming what to install.
 
     ``extra`` names the engine extra that provides it (``pip install 'engine[galore]'``);
     otherwise the message names the pip ``package``. A package that is installed but fails to
     import (a broken build, a missing shared library) is reported with its own error instead.
+    ``import_now = False`` only looks for it (returns None): a check in ``configure`` that
+    ``engine plan`` makes too, for a library whose import takes seconds (it is imported where used).
 
     Example::
 
@@ -94,6 +97,12 @@ def require(module: str, package: str | None = None, feature: str = "", extra: s
                                extra="galore")
     """
     try:
+        if not import_now:
+            from importlib.util import find_spec
+
+            if find_spec(module) is None:
+                raise ModuleNotFoundError(f"No module named {module!r}", name=module)
+            return None
         return importlib.import_module(module)
     except ImportError as exc:
         what = f" for {feature}" if feature else ""

@@ -297,6 +297,9 @@ def test_an_installed_but_broken_library_is_not_reported_as_missing(entry_point_
                                      "libnative.so: cannot open shared object file; reinstall it")
     with pytest.raises(Exception, match="package 'not-here' is needed .*: pip install not-here"):
         require("not_here_xyz", "not-here")
+    with pytest.raises(Exception, match="package 'not-here' is needed .*: pip install 'engine\\[here\\]'"):
+        require("not_here_xyz", "not-here", extra="here", import_now=False)  # looked for, not imported
+    assert require("broken_native", import_now=False) is None  # found: its import is left to where it is used
 
 
 def test_engine_plugins_lists_what_cannot_load_and_flags_mistakes(entry_point_plugin, capfd):

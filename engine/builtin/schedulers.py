@@ -9,9 +9,9 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
-import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from engine import hookimpl
@@ -71,15 +71,19 @@ def _schedule(fn, **fixed):
     wrong type are refused here, naming ``train.lr_scheduler_kwargs``, not at some later step.
     """
 
-    def factory(optimizer, num_warmup_steps, num_training_steps, **kwargs):
+    def checked(optimizer, num_warmup_steps, num_training_steps, **kwargs):
         try:
             lam = fn(optimizer, num_warmup_steps, num_training_steps, **fixed, **kwargs)
             for step in (0, num_warmup_steps, num_training_steps):
                 float(lam(step))
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"train.lr_scheduler_kwargs: {kwargs} do not fit {fn.__name__}: {exc}") from None
-        return LambdaLR(optimizer, lam)
+        return lam
 
+    def factory(optimizer, num_warmup_steps, num_training_steps, **kwargs):
+        return LambdaLR(optimizer, checked(optimizer, num_warmup_steps, num_training_steps, **kwargs))
+
+    factory.check = checked  # configure's check, on what the schedule reads of an optimizer (its defaults)
     return factory
 
 
@@ -117,10 +121,10 @@ def register_schedulers(register):
 def configure(run):
     train = run.config.train
     entry = run.registries["scheduler"].get(train.lr_scheduler_type)
-    if entry.builtin:  # its arguments checked now, on a one-parameter optimizer
-        probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=train.learning_rate)
+    if entry.builtin:  # its arguments checked now, without a torch optimizer (whose first one imports dynamo: ~2 s)
         steps = max(train.max_steps, 1)
-        entry.factory(probe, min(train.warmup_steps, steps), steps, **train.lr_scheduler_kwargs)
+        defaults_only = SimpleNamespace(defaults={"lr": train.learning_rate})
+        entry.factory.check(defaults_only, min(train.warmup_steps, steps), steps, **train.lr_scheduler_kwargs)
 
 
 @hookimpl(trylast=True)

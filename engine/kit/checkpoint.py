@@ -18,7 +18,7 @@
   :func:`list_checkpoints` the complete checkpoints of an output_dir, oldest first; :func:`snapshot_files`
   links a checkpoint's files into a folder an upload reads while rotation goes on;
   :func:`versions` are the versions the run record holds (for a model card).
-* :func:`quiet_transformers` silences transformers' warnings while loading a model.
+* :func:`save_pretrained` writes a model in its ``save_pretrained`` layout, quietly, without importing DeepSpeed.
 * File names: :data:`MARKER` (a checkpoint's manifest, written last), :data:`FINAL_MARKER` (the
   final model's), :data:`TMP` (the prefix of folders being written), :data:`WEIGHTS` and
   :data:`WEIGHTS_INDEX` (safetensors weights, single or sharded).
@@ -26,7 +26,7 @@
 
 from __future__ import annotations
 
-import contextlib
+import threading
 import json
 import math
 import os
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ModelWeights", "write_model", "read_weights", "load_weights", "load_state_file", "restoring",
            "check_finite_weights", "diverged", "check_model_folder", "weight_files", "check_safetensors",
-           "final_model_files", "list_checkpoints", "snapshot_files", "quiet_transformers",
+           "final_model_files", "list_checkpoints", "snapshot_files", "save_pretrained",
            "versions", "CheckpointError", "MARKER", "FINAL_MARKER", "TMP", "WEIGHTS", "WEIGHTS_INDEX"]
 
 
@@ -62,18 +62,33 @@ def _unique_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return out
 
 
-@contextlib.contextmanager
-def quiet_transformers():
-    """No "Writing model shards" progress bar in the middle of training output."""
+_SAVING = threading.Lock()
+
+
+def save_pretrained(model: Any, folder: Path, model_state: dict[str, torch.Tensor]) -> None:
+    """``model.save_pretrained(folder)`` with ``model_state`` as safetensors, quietly and without DeepSpeed.
+
+    Quiet: no "Writing model shards" progress bar in the middle of training output. Without DeepSpeed:
+    ``save_pretrained`` unwraps the model through accelerate, which imports DeepSpeed (and MLflow through it),
+    3-6 s, wherever it is installed, to test whether the model is a ``DeepSpeedEngine``; a model in a process
+    that never imported DeepSpeed cannot be one, so then the test is skipped."""
+    import sys
+
+    import accelerate.utils.other as accelerate_other
     from transformers.utils import logging as hf_logging
 
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
+    with _SAVING:  # one save at a time restores what it swapped
+        was_enabled = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        deepspeed_test = accelerate_other.is_deepspeed_available
+        if "deepspeed" not in sys.modules:
+            accelerate_other.is_deepspeed_available = lambda: False
+        try:
+            model.save_pretrained(folder, state_dict=model_state, safe_serialization=True)
+        finally:
+            accelerate_other.is_deepspeed_available = deepspeed_test
+            if was_enabled:
+                hf_logging.enable_progress_bar()
 
 
 def write_model(run: RunView, folder: Path, model_state: dict[str, torch.Tensor]) -> None:
@@ -82,8 +97,7 @@ def write_model(run: RunView, folder: Path, model_state: dict[str, torch.Tensor]
 
     folder.mkdir(parents=True, exist_ok=True)
     if hasattr(run.model, "save_pretrained"):
-        with quiet_transformers():
-            run.model.save_pretrained(folder, state_dict=model_state, safe_serialization=True)
+        save_pretrained(run.model, folder, model_state)
     else:
         save_file(_unique_tensors(model_state), str(folder / WEIGHTS))
     if hasattr(run.tokenizer, "save_pretrained"):

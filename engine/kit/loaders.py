@@ -63,10 +63,11 @@ def without_unused_columns(dataset: Any, collator: Callable[[list[Any]], Any], c
     loaders are made anew each time), other datasets' examples lose them in a wrapper around the
     collator (transformers' RemoveColumnsCollator, which tells transformers' logger as under Trainer)."""
     import datasets
-    from transformers.trainer_utils import RemoveColumnsCollator
 
     name = type(model).__name__
     if not isinstance(dataset, datasets.Dataset):
+        from transformers.trainer_utils import RemoveColumnsCollator  # here only: it imports peft (~2 s)
+
         return dataset, RemoveColumnsCollator(collator, columns, logging.getLogger("transformers.trainer"), name, key)
     unused = [column for column in dataset.column_names if column not in columns]
     if not unused:

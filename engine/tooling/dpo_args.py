@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.kit.mappings import BUILTIN, PLUGIN, REFUSED, Answer, Conversion, refused
-from engine.tooling.sft_args import MODEL_FIELDS, SCRIPT_FIELDS, SFT_FIELDS, trl_defaults
+from engine.tooling.sft_args import MODEL_FIELDS, SCRIPT_FIELDS, SFT_FIELDS, cached_defaults, trl_defaults
 
 # fields only DPOConfig (and older DPO recipes) have: their presence says a DPO config
 DPO_ONLY = ("beta", "precompute_ref_log_probs", "f_divergence_type", "ld_alpha", "rpo_alpha", "reference_free",
@@ -96,6 +96,10 @@ def is_dpo(arguments: dict[str, Any]) -> bool:
 
 def dpo_defaults() -> dict[str, Any]:
     """DPOConfig's, ModelConfig's and ScriptArguments' field defaults, as a dump holds them."""
+    return cached_defaults(_dpo_defaults, ("trl", "transformers"))
+
+
+def _dpo_defaults() -> dict[str, Any]:
     from trl import DPOConfig
 
     return trl_defaults(DPOConfig)

@@ -35,7 +35,8 @@ from engine.errors import ConfigError, EngineError
 from engine.kit.mappings import ACCEPTED, BUILTIN, PLUGIN, Conversion, load_json, one_line, read_small_text, show
 from engine.tooling.axolotl import AXOLOTL_DEFAULTS, AXOLOTL_FIELDS
 from engine.tooling.dpo_args import dpo_answer, dpo_defaults, is_dpo
-from engine.tooling.sft_args import PEFT_ENABLED_BY, SFT_ANSWERS, is_sft, parse_command_line, sft_defaults
+from engine.tooling.sft_args import (PEFT_ENABLED_BY, SFT_ANSWERS, cached_defaults, is_sft, parse_command_line,
+                                     sft_defaults)
 from engine.util import is_secret_name, mask_secrets
 
 MAX_ARGUMENTS_BYTES = 1 << 20
@@ -92,7 +93,7 @@ class Migration:
         return "\n".join(lines) + "\n"
 
     def report(self) -> str:
-        import transformers
+        from importlib.metadata import version
 
         kind = "" if self.kind == "transformers TrainingArguments" else f" ({self.kind})"
         lines = [f"engine migrate: {self.source}{kind} -> plugins = {toml_value(self.plugins)}"]
@@ -110,7 +111,7 @@ class Migration:
                 lines += [title, *(f"  {item}" for item in items)]
         if self.unknown:
             known = "TrainingArguments" if self.kind.endswith("TrainingArguments") else self.kind
-            lines.append(f"unknown (not fields of transformers {transformers.__version__}'s {known}), "
+            lines.append(f"unknown (not fields of transformers {version('transformers')}'s {known}), "
                          f"not converted: {', '.join(self.unknown)}")
         if self.idle:
             lines.append(f"no counterpart, at Trainer's default (docs/trainer-arguments.md): {', '.join(self.idle)}")
@@ -157,6 +158,10 @@ def _load_yaml(text: str, what: str) -> Any:
 
 def trainer_defaults() -> dict[str, Any]:
     """Every field's default, as a dump of a default ``TrainingArguments`` holds it."""
+    return cached_defaults(_trainer_defaults, ("transformers",))
+
+
+def _trainer_defaults() -> dict[str, Any]:
     from transformers import Seq2SeqTrainingArguments  # TrainingArguments' fields and the seq2seq ones
 
     defaults = {f.name: f.default for f in dataclasses.fields(Seq2SeqTrainingArguments)

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shlex
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 from engine.errors import ConfigError
 from engine.kit.mappings import ACCEPTED, BUILTIN, PLUGIN, REFUSED, Answer, Conversion, accepted, builtin, flag, refused
@@ -349,9 +351,38 @@ def is_sft(arguments: dict[str, Any]) -> bool:
     return any(name in SFT_ANSWERS and name != "bf16" for name in arguments)
 
 
+def cached_defaults(compute: Callable[[], dict[str, Any]], libraries: tuple[str, ...]) -> dict[str, Any]:
+    """``compute()``, a library's config defaults as JSON holds them, kept per version of ``libraries`` in the
+    user's cache (``$XDG_CACHE_HOME/engine``, else ``~/.cache/engine``): computing them imports the library's
+    config classes, 5-15 s (transformers' TrainingArguments imports the integration of every tracker
+    installed), which only the first conversion pays. Nothing is kept where the cache cannot be written."""
+    from importlib.metadata import version
+
+    versions = "-".join(f"{name}{version(name)}" for name in libraries)
+    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "engine"
+    path = folder / f"{compute.__name__}-{versions}.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        pass
+    defaults = json.loads(json.dumps(compute(), default=str))
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(defaults), encoding="utf-8")
+        partial.replace(path)  # whole or not at all, if two conversions write it at once
+    except OSError:
+        pass
+    return defaults
+
+
 def sft_defaults() -> dict[str, Any]:
     """SFTConfig's, ModelConfig's and ScriptArguments' field defaults (SFTConfig's ``bf16`` None: its
     __post_init__ would make it true, which a default instance refuses on a CPU), as a dump holds them."""
+    return cached_defaults(_sft_defaults, ("trl", "transformers"))
+
+
+def _sft_defaults() -> dict[str, Any]:
     from trl import SFTConfig
 
     return trl_defaults(SFTConfig)

@@ -94,7 +94,8 @@ def _options(run: Any) -> PeftOptions:
 
 
 def _require_peft() -> None:
-    engine.require("peft", "peft", feature="plugin peft", extra="peft")
+    """peft installed: imported when the model is wrapped (its import takes seconds, which a plan need not pay)."""
+    engine.require("peft", "peft", feature="plugin peft", extra="peft", import_now=False)
 
 
 def is_peft_model(model: Any) -> bool:

@@ -151,11 +151,10 @@ class AdapterWeights(ModelWeights):
 
 def _save_model(run: Any, model: torch.nn.Module, state: dict[str, torch.Tensor], folder: Path) -> None:
     """A full model in the save_pretrained layout, with the tokenizer."""
-    from engine.kit.checkpoint import quiet_transformers
+    from engine.kit.checkpoint import save_pretrained
 
     folder.mkdir(parents=True)
-    with quiet_transformers():
-        model.save_pretrained(folder, state_dict=state, safe_serialization=True)
+    save_pretrained(model, folder, state)
     if hasattr(run.tokenizer, "save_pretrained"):
         run.tokenizer.save_pretrained(folder)
 
