@@ -35,7 +35,10 @@ CONFIG = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 1
           "rms_norm_eps": 1e-5, "tie_word_embeddings": True}
 
 
-def measure(variant: str, batch: int, args) -> dict:
+def measure(variant: str, batch: int, args, model_config: dict = CONFIG, device: str = "cuda") -> dict:
+    """One variant in this process. ``device="cpu"`` (gpu_check.py's logic check: a tiny
+    ``model_config``, ``TRITON_INTERPRET=1`` set before Triton loads) trains in fp32 with the
+    kernels Triton's CPU interpreter runs (RoPE, fused linear cross-entropy); no peak memory."""
     import torch
     import transformers
 
@@ -43,22 +46,30 @@ def measure(variant: str, batch: int, args) -> dict:
     from engine.builtin.data.collators import DataCollator
     from engine.testing import TokenDataset
 
-    clock = StepClock(synchronize=torch.cuda.synchronize)
+    cuda = device == "cuda"
+    clock = StepClock(synchronize=torch.cuda.synchronize if cuda else None)
 
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).to(torch.bfloat16)
-    rows = torch.randint(0, CONFIG["vocab_size"], (batch * (args.steps + 1), args.seq_len))
-    config = {"plugins": ["liger"] if variant == "liger" else [], "train": {
+    with torch.device(device):  # built where it trains: a 1B model initialises in seconds on a GPU
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**model_config))
+    model = model.to(torch.bfloat16 if cuda else torch.float32)  # the interpreter computes in numpy: no bf16
+    rows = torch.randint(0, model_config["vocab_size"], (batch * (args.steps + 1), args.seq_len))
+    # on the CPU, the kernels the interpreter cannot run stay off
+    liger = {"plugins": ["liger"], **({} if cuda else {"liger": {"rms_norm": False, "swiglu": False}})}
+    config = {**(liger if variant == "liger" else {"plugins": []}), "train": {
         "max_steps": args.steps, "per_device_train_batch_size": batch, "learning_rate": 1e-5, "logging_steps": 1,
         "save_strategy": "no", "save_final_model": False, "disable_tqdm": True, "log_level": "warning",
-        "output_dir": tempfile.mkdtemp(prefix="engine-liger-")}, "data": {"max_length": args.seq_len}}
-    torch.cuda.reset_peak_memory_stats()
+        "use_cpu": not cuda, "output_dir": tempfile.mkdtemp(prefix="engine-liger-")},
+        "data": {"max_length": args.seq_len}}
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     engine.Run(config, model=model, train_dataset=TokenDataset(rows), data_collator=DataCollator(0),
                plugins=[clock]).train()
     stamps, losses = clock.stamps, clock.losses
     seconds = stamps[-1] - stamps[args.warmup - 1]
     tokens = batch * args.seq_len * (len(stamps) - args.warmup)
-    return {"losses": losses, "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "tokens_per_s": tokens / seconds}
+    return {"losses": losses, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+            "tokens_per_s": tokens / seconds}
 
 
 def run_variant(variant: str, batch: int, args) -> dict | None:
