@@ -10,6 +10,8 @@ A plugin imports top-level ``engine`` names and these modules, nothing else of t
   checkpoint target (hub, mlflow): the weights a checkpoint holds (``ModelWeights``), writing,
   reading and checking weights and model folders, restoring state files, the finite-weights
   check, the final model's files, the marker and weights file names.
+* :mod:`engine.kit.layout`: the names of a run folder's files (``MARKER``, ``FINAL_MARKER``, ``TMP``, ...)
+  without importing torch, for a process that only moves files.
 * :mod:`engine.kit.models`: the transformers config ``train.model`` names (``model_config``)
   and the positions a config declares (``max_positions``), before the model is built.
 * :mod:`engine.kit.lowrank`: low-rank projection optimizers (GaLore, APOLLO): target groups,

@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Literal
 
 from engine import ConfigError, PluginError, hookimpl, option
-from engine.kit.checkpoint import FINAL_MARKER, MARKER, TMP, snapshot_files
-from engine.kit.distributed import is_main_process
+# the upload process imports this package to read its jobs: what imports torch is imported where it is used
+from engine.kit.layout import FINAL_MARKER, MARKER, TMP
 
 from .card import write_model_card
 from .targets import RemoteMissing, Target, describe, is_filesystem, is_repo_id, open_target
@@ -210,6 +210,8 @@ class Hub:
                               "or log in with `hf auth login`")
         self.options = options
         self.target = open_target(repo, self.token, options.private, options.revision, options.connect_timeout)
+        from engine.kit.distributed import is_main_process
+
         if is_main_process():  # before the strategy exists: the launcher's rank
             self.target.check()
 
@@ -246,6 +248,8 @@ class Hub:
         return run.output_dir / STAGING / str(self.count)
 
     def _checkpoint_push(self, run, path: Path, step: int, message: str) -> Push:
+        from engine.kit.checkpoint import snapshot_files
+
         snapshot = snapshot_files(path, self._staging(run))
         parts = [(snapshot, "", TRAINING_STATE, False)]
         if self.options.strategy == "checkpoint":
@@ -310,7 +314,7 @@ class Hub:
             self._submit(run, pusher, latest, _saved_step(latest))
         if not run.config.train.save_final_model:
             return
-        from engine.kit.checkpoint import final_model_files
+        from engine.kit.checkpoint import final_model_files, snapshot_files
 
         snapshot = snapshot_files(run.output_dir, self._staging(run), [*final_model_files(run.output_dir), FINAL_MARKER])
         write_model_card(run, snapshot / "README.md", options, self.metrics)

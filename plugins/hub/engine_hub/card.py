@@ -6,11 +6,12 @@ from pathlib import Path
 from typing import Any
 
 from engine import __version__, to_toml
-from engine.kit.checkpoint import versions
 
 
 def write_model_card(run: Any, path: Path, options: Any, metrics: dict[str, Any]) -> None:
     """``metrics``: the last value of every metric the run logged."""
+    from engine.kit.checkpoint import versions  # here: the upload process imports this package, without torch
+
     model = run.config.train.model
     plugins = versions(run)["plugins"]
     rows = "\n".join(f"| {key} | {value} |" for key, value in metrics.items())

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Sequence
 
 from engine import ConfigError
-from engine.kit.checkpoint import FINAL_MARKER, MARKER, TMP
+from engine.kit.layout import FINAL_MARKER, MARKER, TMP  # no torch in the upload process
 
 # manifests are written last and removed first, so a remote folder with one is complete
 _MARKERS = (MARKER, FINAL_MARKER)
