@@ -7,7 +7,8 @@ Generates a seeded JSONL of documents of 50-400 words (once; kept in --workdir),
 1k-token BPE tokenizer trained on its first megabytes, then runs, each in a fresh process:
 
 (a) the engine, first start: ``Run`` with ``data.train`` = the file and an empty cache, until its
-    first optimizer step (a plugin exits there);
+    first optimizer step (a plugin exits there); it trains its tokenizer on the corpus
+    (``data.tokenizer = "train"``; ``--engine-tokenizer saved`` gives it the yardstick's instead);
 (b) the engine, second start: the same run, the cache from (a);
 (c) the yardstick: ``datasets.load_dataset("json")`` + ``map(tokenize, batched=True, num_proc=2)``
     with the same tokenizer and an empty cache.
@@ -135,6 +136,9 @@ def main() -> None:
     parser.add_argument("--workdir", default="/tmp/engine-data-scale")
     parser.add_argument("--size-mb", type=int, default=200)
     parser.add_argument("--streaming-gb", type=float, default=0, help="also the streaming check on a corpus this big")
+    parser.add_argument("--engine-tokenizer", choices=("train", "saved"), default="train", help=(
+        "train: the engine trains its tokenizer on the corpus (data.tokenizer = 'train', the default for data "
+        "without a model folder); saved: it reads the yardstick's"))
     args = parser.parse_args()
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -146,7 +150,8 @@ def main() -> None:
         shutil.rmtree(work / folder, ignore_errors=True)
     python = sys.executable
     def engine_argv(name: str, data: Path, steps: int, streaming: bool) -> list[str]:
-        return [python, "-c", ENGINE_CHILD, str(data), str(tokenizer), str(work / "out" / name),
+        engine_tokenizer = "train" if args.engine_tokenizer == "train" else str(tokenizer)
+        return [python, "-c", ENGINE_CHILD, str(data), engine_tokenizer, str(work / "out" / name),
                 str(work / "cache-engine"), str(steps), "1" if streaming else "0"]
 
     first = measure(engine_argv("first", corpus, 1, False), work / "first.log")

@@ -229,6 +229,40 @@ def test_build_tokenizer(tmp_path, tokenizer, data):
         build_tokenizer(from_callable, "tiny-llama")
 
 
+def test_a_trained_tokenizer_is_kept_with_the_cached_rows_and_trained_again_when_they_change(tmp_path, data, caplog):
+    path = tmp_path / "t.jsonl"
+    config = data(train=write_jsonl(path, [{"text": d} for d in DOCS]), tokenizer="train", tokenizer_vocab_size=280)
+    first = build_tokenizer(config, "tiny-llama")
+    assert len(list((tmp_path / "cache").rglob("engine-tokenizer-*/tokenizer.json"))) == 1
+    with caplog.at_level(logging.INFO, logger="engine"):
+        again = build_tokenizer(config, "tiny-llama")
+    assert "data.tokenizer: the tokenizer trained on these rows before, from the cache" in caplog.text
+    assert again.get_vocab() == first.get_vocab() and len(again) == 280
+    for attribute in ("bos_token", "eos_token", "pad_token", "model_max_length", "clean_up_tokenization_spaces"):
+        assert getattr(again, attribute) == getattr(first, attribute)
+    text = DOCS[3] + " unseen words ünïcode"
+    assert again(text)["input_ids"] == first(text)["input_ids"] and again.decode(again(text)["input_ids"]) == text
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="engine"):  # another vocabulary size: trained afresh
+        assert len(build_tokenizer(data(train=config.train, tokenizer="train", tokenizer_vocab_size=290),
+                                   "tiny-llama")) == 290
+    write_jsonl(path, [{"text": d.upper()} for d in DOCS])  # the file changed: its rows and tokenizer are new
+    changed = build_tokenizer(config, "tiny-llama")
+    assert "from the cache" not in caplog.text and changed.get_vocab() != first.get_vocab()
+
+
+def test_a_large_corpus_trains_its_tokenizer_on_evenly_spaced_documents(tmp_path, data, caplog):
+    rows = [{"text": d} for d in DOCS]
+    config = data(train=write_jsonl(tmp_path / "t.jsonl", rows), tokenizer="train", tokenizer_vocab_size=280)
+    size = load_source(config.train, config, "data.train").data.nbytes
+    sampled = data(train=config.train, tokenizer="train", tokenizer_vocab_size=280, tokenizer_train_bytes=-(-size // 4))
+    with caplog.at_level(logging.INFO, logger="engine"):
+        tokenizer = build_tokenizer(sampled, "tiny-llama")
+    assert f"data.tokenizer: trained on one row in 4 (10 of {len(DOCS)} rows" in caplog.text
+    assert tokenizer.get_vocab() == train_tokenizer([d for d in DOCS[::4]], 280).get_vocab()
+
+
 # ---------------------------------------------------------------------------- tokenized examples
 
 

@@ -82,6 +82,9 @@ class DataOptions:
         "'auto' (the model folder's tokenizer, else train one), 'train' (refused for a pretrained train.model folder, "
         "whose weights keep their own), or a local tokenizer folder"))
     tokenizer_vocab_size: int = option(1024, min=258, help="vocabulary size of a trained tokenizer")
+    tokenizer_train_bytes: int = option(32_000_000, min=0, help=(
+        "a trained tokenizer learns from text documents of at most this many bytes in all: evenly spaced ones "
+        "when the data holds more (0: all of it)"))
     chat_template: str | None = option(None, nonempty=True, help=(
         "the tokenizer's chat template (saved with it): inline Jinja, the path of a template file, or a name: "
         "'chatml', 'zephyr' (the alignment handbook's), 'llama3', 'tokenizer_default' (the tokenizer's own)"))

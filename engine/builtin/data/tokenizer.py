@@ -27,6 +27,7 @@ MIN_VOCAB_SIZE = 256 + 2
 # Documents are cut by the datasets, not the tokenizer: no "sequence too long" warnings.
 MODEL_MAX_LENGTH = 1 << 40
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+TOKENIZER_RECIPE = 1  # train_tokenizer's version: a change to it makes new cache entries
 STREAMING_TOKENIZER_ROWS = 100_000  # data.streaming: documents a trained tokenizer learns from
 SPECIAL_TOKEN_KEYS = ("eos_token", "pad_token", "bos_token")  # [data] keys naming the tokenizer's special tokens
 
@@ -153,7 +154,70 @@ def build_tokenizer(data: DataConfig, model_source: str, rows: Any = None,
     if data.streaming:  # a corpus larger than memory: its start is sample enough
         rows = rows.take(STREAMING_TOKENIZER_ROWS)
         logger.info("data.tokenizer: training on the first %d documents of the stream", STREAMING_TOKENIZER_ROWS)
-    return train_tokenizer(row_texts(rows, kind, data, key), data.tokenizer_vocab_size)
+        return train_tokenizer(row_texts(rows, kind, data, key), data.tokenizer_vocab_size)
+    folder = _cached_tokenizer_folder(rows, data)
+    if folder is not None and (folder / "tokenizer.json").is_file():
+        logger.info("data.tokenizer: the tokenizer trained on these rows before, from the cache in %s", folder)
+        return _load_trained(folder)
+    if kind == "text":  # a large corpus: a sample of its documents learns the same merges, in a fraction of the time
+        rows = _sampled(rows, data)
+    tokenizer = train_tokenizer(row_texts(rows, kind, data, key), data.tokenizer_vocab_size)
+    if folder is not None:
+        _keep(tokenizer, folder)
+    return tokenizer
+
+
+def _cached_tokenizer_folder(rows: Any, data: DataConfig) -> Path | None:
+    """Where the tokenizer trained on ``rows`` is kept: beside their Arrow files (as the tokenized data is),
+    named by those files (path, size, modification time: the source's content, since datasets writes them anew
+    when a source file changes), the [data] keys and the recipe below. None for rows held in memory only."""
+    import hashlib
+
+    from engine.config import to_mapping
+
+    files = [Path(entry["filename"]) for entry in getattr(rows, "cache_files", None) or []]
+    if not files:
+        return None
+    try:
+        stats = [(str(file), file.stat().st_size, file.stat().st_mtime_ns) for file in files]
+    except OSError:
+        return None
+    key = json.dumps([TOKENIZER_RECIPE, stats, len(rows), to_mapping(data)], sort_keys=True, default=str)
+    return files[0].parent / f"engine-tokenizer-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def _sampled(rows: Any, data: DataConfig) -> Any:
+    """Every n-th row of ``rows``, so that their text is within ``data.tokenizer_train_bytes``."""
+    size = rows.data.nbytes  # the Arrow table's: about the text's bytes
+    limit = data.tokenizer_train_bytes
+    if not limit or size <= limit:
+        return rows
+    every = -(-size // limit)
+    logger.info("data.tokenizer: trained on one row in %d (%d of %d rows, about %.1f of %.1f MB: "
+                "data.tokenizer_train_bytes)", every, -(-len(rows) // every), len(rows), size / every / 1e6, size / 1e6)
+    return rows.select(range(0, len(rows), every))
+
+
+def _keep(tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
+    """``tokenizer`` saved into ``folder`` whole or not at all; a cache that cannot be written is skipped."""
+    import shutil
+    import tempfile
+
+    try:
+        partial = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+    except OSError:  # a read-only cache
+        return
+    try:
+        tokenizer.save_pretrained(partial)
+        partial.rename(folder)
+    except OSError:  # another process kept it first
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def _load_trained(folder: Path) -> PreTrainedTokenizerFast:
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
 
 
 def check_token_options(data: DataConfig) -> None:
