@@ -14,8 +14,8 @@ median extra seconds over the bare import and their ratio:
 * ``engine train (2 steps)``      the default run, 2 steps, its final model and report written: a
                                   process that trains and saves once (as every subprocess test does).
 
-``--compare REV`` also times a checkout of git revision ``REV`` (a temporary worktree placed first on
-``PYTHONPATH``; the installed plugins are this checkout's) in the same rounds: the before / after table.
+``--compare REV`` also times a checkout of git revision ``REV`` (a temporary worktree whose engine and
+plugin folders go first on ``PYTHONPATH``) in the same rounds: the before / after table.
 
 Run::
 
@@ -39,6 +39,7 @@ from pathlib import Path
 from engine.catalogue import FIRST_PARTY
 
 ROOT = Path(__file__).resolve().parent.parent
+BARE = "import torch, transformers"
 # Plugins that take the place of another of the same kind, so a run may enable one of each group only.
 CONFLICTING = {"kto", "orpo", "cpo", "reward",  # dpo stands for the preference plugins
                "fsdp", "deepspeed",  # ddp for the strategies
@@ -70,7 +71,7 @@ def commands(work: Path) -> dict[str, list[str]]:
     (work / "all.toml").write_text(f"plugins = {json.dumps(every)}\n" + ALL_PLUGIN_OPTIONS.format(
         pairs=ROOT / "examples" / "data" / "reversal_preferences.jsonl", hub=work / "hub-repo"))
     return {
-        "import torch, transformers": ["-c", "import torch, transformers"],
+        BARE: ["-c", "import torch, transformers"],
         "engine --help": ["-m", "engine", "--help"],
         "engine plugins": ["-m", "engine", "plugins"],
         "engine plan": ["-m", "engine", "plan"],
@@ -84,8 +85,9 @@ def commands(work: Path) -> dict[str, list[str]]:
 def timed(arguments: list[str], work: Path, source: Path | None) -> float:
     """Seconds one fresh interpreter takes to run ``arguments`` in ``work``; exits non-zero are fatal."""
     env = dict(os.environ)
-    if source is not None:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(source), env.get("PYTHONPATH")]))
+    if source is not None:  # that checkout's engine and plugins ahead of the installed ones (same entry points)
+        paths = [str(source), *map(str, sorted((source / "plugins").glob("*"))), env.get("PYTHONPATH")]
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     start = time.perf_counter()
     done = subprocess.run([sys.executable, *arguments], cwd=work, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - start
@@ -113,14 +115,15 @@ def main() -> None:
         if args.only:
             words = args.only.split(",")
             measured = {name: argv for name, argv in measured.items()
-                        if name.startswith("import") or any(word in name for word in words)}
+                        if name == BARE or any(word in name for word in words)}
         checkouts = {"now": None}
         if args.compare:
             checkouts = {args.compare: worktree(args.compare, work / "before"), "now": None}
         times: dict[tuple[str, str], list[float]] = {}
         try:
             for repeat in range(args.repeats):
-                order = [(label, name) for label in checkouts for name in measured]
+                order = [(label, name) for label in checkouts for name in measured
+                         if label == "now" or name != BARE]  # the bare import is the same in both
                 shift = repeat % len(order)
                 for label, name in order[shift:] + order[:shift]:
                     seconds = timed(measured[name], work, checkouts[label])
@@ -131,15 +134,15 @@ def main() -> None:
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(work / "before")],
                                capture_output=True)
 
-    print(f"\nmedian of {args.repeats}, seconds; extra = over the bare import of the same checkout's round")
+    bare = statistics.median(times[("now", BARE)])
+    print(f"\nmedian of {args.repeats}, seconds; extra = over the bare import ({bare:.2f} s)")
     header = ["command"] + [f"{label} {column}" for label in checkouts for column in ("s", "extra s", "x bare")]
     print("| " + " | ".join(header) + " |")
     print("|" + " --- |" * len(header))
     for name in measured:
         cells = [name]
         for label in checkouts:
-            median = statistics.median(times[(label, name)])
-            bare = statistics.median(times[(label, "import torch, transformers")])
+            median = statistics.median(times[(label if name != BARE else "now", name)])
             cells += [f"{median:.2f}", f"{median - bare:+.2f}", f"{median / bare:.2f}"]
         print("| " + " | ".join(cells) + " |")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import inspect
 import json
 import math
@@ -85,25 +85,15 @@ def require(module: str, package: str | None = None, feature: str = "", extra: s
             import_now: bool = True) -> Any:
     """Import ``module`` or raise :class:`MissingDependencyError` naming what to install.
 
-    ``extra`` names the engine extra that provides it (``pip install 'engine[galore]'``);
-    otherwise the message names the pip ``package``. A package that is installed but fails to
-    import (a broken build, a missing shared library) is reported with its own error instead.
-    ``import_now = False`` only looks for it (returns None): a check in ``configure`` that
-    ``engine plan`` makes too, for a library whose import takes seconds (it is imported where used).
-
-    Example::
-
-        galore_torch = require("galore_torch", "galore-torch", feature="train.optim = 'galore_adamw'",
-                               extra="galore")
+    ``extra`` names the engine extra that provides it (``pip install 'engine[galore]'``); otherwise the message
+    names the pip ``package``. A package that is installed but fails to import (a broken build, a missing shared
+    library) is reported with its own error instead. ``import_now = False`` only looks for it (None if found): for
+    a library whose import takes seconds. Example: ``require("galore_torch", "galore-torch", extra="galore")``.
     """
     try:
-        if not import_now:
-            from importlib.util import find_spec
-
-            if find_spec(module) is None:
-                raise ModuleNotFoundError(f"No module named {module!r}", name=module)
+        if not import_now and importlib.util.find_spec(module) is not None:
             return None
-        return importlib.import_module(module)
+        return importlib.import_module(module)  # not found: raises ModuleNotFoundError
     except ImportError as exc:
         what = f" for {feature}" if feature else ""
         if is_missing(exc, module):
@@ -118,8 +108,6 @@ def require(module: str, package: str | None = None, feature: str = "", extra: s
 
 def is_missing(exc: ImportError, module: str) -> bool:
     """Whether ``exc`` (raised importing ``module``) means a module is not installed, not that one is broken."""
-    import importlib.util
-
     if not isinstance(exc, ModuleNotFoundError) or not exc.name:
         return False  # e.g. a shared library that does not load: the package is there, broken
     if exc.name == module or module.startswith(exc.name + "."):
