@@ -234,7 +234,7 @@ def test_a_trained_tokenizer_is_kept_with_the_cached_rows_and_trained_again_when
     config = data(train=write_jsonl(path, [{"text": d} for d in DOCS]), tokenizer="train", tokenizer_vocab_size=280)
     first = build_tokenizer(config, "tiny-llama")
     assert len(list((tmp_path / "cache").rglob("engine-tokenizer-*/tokenizer.json"))) == 1
-    with caplog.at_level(logging.INFO, logger="engine"):
+    with caplog.at_level(logging.DEBUG, logger="engine"):  # said at debug level for small data
         again = build_tokenizer(config, "tiny-llama")
     assert "data.tokenizer: the tokenizer trained on these rows before, from the cache" in caplog.text
     assert again.get_vocab() == first.get_vocab() and len(again) == 280
@@ -244,12 +244,19 @@ def test_a_trained_tokenizer_is_kept_with_the_cached_rows_and_trained_again_when
     assert again(text)["input_ids"] == first(text)["input_ids"] and again.decode(again(text)["input_ids"]) == text
 
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="engine"):  # another vocabulary size: trained afresh
+    with caplog.at_level(logging.DEBUG, logger="engine"):
         assert len(build_tokenizer(data(train=config.train, tokenizer="train", tokenizer_vocab_size=290),
-                                   "tiny-llama")) == 290
-    write_jsonl(path, [{"text": d.upper()} for d in DOCS])  # the file changed: its rows and tokenizer are new
-    changed = build_tokenizer(config, "tiny-llama")
+                                   "tiny-llama")) == 290  # another vocabulary size: trained afresh
+        write_jsonl(path, [{"text": d.upper()} for d in DOCS])  # the file changed: its rows and tokenizer are new
+        changed = build_tokenizer(config, "tiny-llama")
     assert "from the cache" not in caplog.text and changed.get_vocab() != first.get_vocab()
+
+    saved = tmp_path / "saved"  # a save_to_disk folder is the user's: nothing is written into it
+    load_source(config.train, config, "data.train").save_to_disk(str(saved))
+    before = sorted(saved.rglob("*"))
+    assert len(build_tokenizer(data(train=str(saved), tokenizer="train", tokenizer_vocab_size=280),
+                               "tiny-llama")) == 280
+    assert sorted(saved.rglob("*")) == before
 
 
 def test_a_large_corpus_trains_its_tokenizer_on_evenly_spaced_documents(tmp_path, data, caplog):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -11,7 +12,7 @@ from engine.util import is_callable_spec
 
 from .formats import row_texts
 from .mixture import mixture_texts
-from .sources import data_kind, load_source, logger
+from .sources import LARGE_ROWS, data_kind, load_source, logger
 from .task_rows import check_columns, tokenizer_texts
 from .templates import TOKENIZER_DEFAULT, TURN_ENDS, resolve_chat_template
 
@@ -157,7 +158,8 @@ def build_tokenizer(data: DataConfig, model_source: str, rows: Any = None,
         return train_tokenizer(row_texts(rows, kind, data, key), data.tokenizer_vocab_size)
     folder = _cached_tokenizer_folder(rows, data)
     if folder is not None and (folder / "tokenizer.json").is_file():
-        logger.info("data.tokenizer: the tokenizer trained on these rows before, from the cache in %s", folder)
+        logger.log(logging.INFO if len(rows) >= LARGE_ROWS else logging.DEBUG,  # as the tokenized rows' line
+                   "data.tokenizer: the tokenizer trained on these rows before, from the cache in %s", folder)
         return _load_trained(folder)
     if kind == "text":  # a large corpus: a sample of its documents learns the same merges, in a fraction of the time
         rows = _sampled(rows, data)
@@ -170,13 +172,17 @@ def build_tokenizer(data: DataConfig, model_source: str, rows: Any = None,
 def _cached_tokenizer_folder(rows: Any, data: DataConfig) -> Path | None:
     """Where the tokenizer trained on ``rows`` is kept: beside their Arrow files (as the tokenized data is),
     named by those files (path, size, modification time: the source's content, since datasets writes them anew
-    when a source file changes), the [data] keys and the recipe below. None for rows held in memory only."""
+    when a source file changes), the [data] keys and the recipe below. None for rows held in memory, or whose
+    files are not in datasets' cache (a ``save_to_disk`` folder is the user's, not a place to write in)."""
     import hashlib
+
+    import datasets
 
     from engine.config import to_mapping
 
-    files = [Path(entry["filename"]) for entry in getattr(rows, "cache_files", None) or []]
-    if not files:
+    files = [Path(entry["filename"]).resolve() for entry in getattr(rows, "cache_files", None) or []]
+    cache = Path(data.cache_dir or datasets.config.HF_DATASETS_CACHE).expanduser().resolve()
+    if not files or not files[0].is_relative_to(cache):
         return None
     try:
         stats = [(str(file), file.stat().st_size, file.stat().st_mtime_ns) for file in files]
