@@ -27,6 +27,7 @@ the full weights in the HF layout (gathered under ZeRO-3), so ``from_pretrained`
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import warnings
@@ -179,6 +180,9 @@ class DeepSpeedStrategy(DistributedStrategy):
         # transformers then builds and loads (from_pretrained) partitioned weights itself; it holds
         # this object weakly, so the strategy keeps it for the run
         self._hf_config = HfDeepSpeedConfig(self.ds_config)
+        # torch._dynamo checks torch.Tensor.__new__'s signature when first imported and refuses zero.Init's
+        # replacement; building the model (transformers' modeling code) may be its first import, so it comes now
+        importlib.import_module("torch._dynamo")
         context = contextlib.ExitStack()
         context.enter_context(deepspeed.zero.Init(config_dict_or_path=self.ds_config))
         context.enter_context(_initialized_as_in_one_process())
