@@ -26,11 +26,11 @@
 
 from __future__ import annotations
 
-import threading
 import json
 import math
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 

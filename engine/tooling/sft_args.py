@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from engine.errors import ConfigError
 from engine.kit.mappings import ACCEPTED, BUILTIN, PLUGIN, REFUSED, Answer, Conversion, accepted, builtin, flag, refused
+from engine.util import write_json
 
 PEFT_ENABLED_BY = {"peft": "use_peft = true (ModelConfig), or Axolotl's adapter: lora | qlora"}
 
@@ -368,9 +369,7 @@ def cached_defaults(compute: Callable[[], dict[str, Any]], libraries: tuple[str,
     defaults = json.loads(json.dumps(compute(), default=str))
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps(defaults), encoding="utf-8")
-        partial.replace(path)  # whole or not at all, if two conversions write it at once
+        write_json(path, defaults)
     except OSError:
         pass
     return defaults
