@@ -479,14 +479,18 @@ def test_a_longer_schedule_on_resume_follows_the_new_total(tmp_path):
 # ---------------------------------------------------------------------------- checksums and the final model
 
 
-def test_a_same_size_bit_flip_is_refused_naming_the_file(tmp_path):
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.pt"])
+def test_a_same_size_bit_flip_is_refused_naming_the_file(tmp_path, name):
+    """optimizer.pt too: a save writes it without torch's CRC32 (which torch.load never checks)."""
     _run(tmp_path, {"max_steps": 2, "save_strategy": "steps", "save_steps": 2}).train()
-    weights = tmp_path / "checkpoint-2" / "model.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[-100] ^= 0x40
-    weights.write_bytes(bytes(data))
+    assert torch.serialization.get_crc32_options()  # the user's torch.save is as it was
+    damaged = tmp_path / "checkpoint-2" / name
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0x40  # inside the tensors' bytes
+    damaged.write_bytes(bytes(data))
+    torch.load(damaged, weights_only=True)  # torch reads it without a word: only the manifest knows
     run = _run(tmp_path, {"max_steps": 4, "resume_from_checkpoint": True})
-    with pytest.raises(CheckpointError, match=rf"checkpoint {tmp_path / 'checkpoint-2'}: model.safetensors does not "
+    with pytest.raises(CheckpointError, match=rf"checkpoint {tmp_path / 'checkpoint-2'}: {name} does not "
                                               "match its checksum"):
         run.train()
     assert run.optimizer is None
