@@ -284,6 +284,30 @@ def test_a_trained_tokenizer_learns_every_sources_text(sources, tmp_path):
         build_tokenizer(mixture([sources[0], bad], (1, 1)), "tiny-llama")
 
 
+def test_a_mixtures_tokenizer_is_cached_and_sampled_as_one_corpus(sources, tmp_path, caplog):
+    """As data.train's: kept beside the sources' cached rows, and every n-th row of each source when the
+    sources together hold more text than data.tokenizer_train_bytes."""
+    from engine.builtin.data.sources import load_source
+    from engine.builtin.data.tokenizer import build_tokenizer
+
+    data = mixture(sources[:2], (0.1, 1.0), tokenizer_vocab_size=270, cache_dir=str(tmp_path / "cache"))
+    learnt = build_tokenizer(data, "tiny-llama").get_vocab()
+    assert len(list((tmp_path / "cache").rglob("engine-tokenizer-*/tokenizer.json"))) == 1
+    with caplog.at_level(logging.DEBUG, logger="engine"):
+        assert build_tokenizer(data, "tiny-llama").get_vocab() == learnt
+    assert "data.tokenizer: the tokenizer trained on these rows before, from the cache" in caplog.text
+
+    size = sum(load_source(source, data, "data.mixture").data.nbytes for source in sources[:2])
+    sampled = mixture(sources[:2], (0.1, 1.0), tokenizer_vocab_size=270, cache_dir=str(tmp_path / "cache"),
+                      tokenizer_train_bytes=-(-size // 5))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="engine"):
+        learnt = build_tokenizer(sampled, "tiny-llama").get_vocab()
+    assert f"data.tokenizer: trained on one row in 5 ({2 * ROWS // 5} of {2 * ROWS} rows" in caplog.text
+    every_fifth = [f"{marker} {i}" for marker in MARKERS[:2] for i in range(0, ROWS, 5)]
+    assert learnt == train_tokenizer(every_fifth, 270).get_vocab()
+
+
 def test_engine_plan_shows_the_mixture(tmp_path, sources, capfd):
     from engine.cli import main
 

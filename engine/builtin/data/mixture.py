@@ -170,15 +170,22 @@ def log_source(source: MixtureSource, read: int, kept: int, examples: Any) -> No
                 source.entry.weight, tokens)
 
 
-def mixture_texts(data: DataConfig) -> Iterator[list[str]]:
-    """The text of every source, in batches, for training a tokenizer (all rows: a tokenizer learns from the
-    sources, whatever their weights), each source's rows read as its format says."""
+def mixture_sources_rows(data: DataConfig) -> list[tuple[Any, str, MixtureSource]]:
+    """Every source's rows and kind (as its format says), for training a tokenizer: all sources, whatever
+    their weights (a tokenizer learns from the sources)."""
+    loaded = []
     for source in mixture_sources(data):
         if is_callable_spec(source.entry.source):
             raise ConfigError(f"data.tokenizer = {data.tokenizer!r} trains a tokenizer, which needs text data, but "
                               f"{source.key}.source is the callable {source.entry.source!r}; set data.tokenizer to a "
                               "tokenizer folder")
         rows = load_source(source.entry.source, source.data, source.key, source.entry.split)
-        kind = data_kind(rows, source.data, source.key)
+        loaded.append((rows, data_kind(rows, source.data, source.key), source))
+    return loaded
+
+
+def mixture_texts(loaded: list[tuple[Any, str, MixtureSource]]) -> Iterator[list[str]]:
+    """The text of :func:`mixture_sources_rows`' sources, in batches."""
+    for rows, kind, source in loaded:
         with named_rows(source.entry.source, source.key, source.data):
             yield from row_texts(rows, kind, source.data, source.key)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from engine.errors import ConfigError
 from engine.util import is_callable_spec
 
 from .formats import row_texts
-from .mixture import mixture_texts
+from .mixture import mixture_sources_rows, mixture_texts
 from .sources import LARGE_ROWS, data_kind, load_source, logger
 from .task_rows import check_columns, tokenizer_texts
 from .templates import TOKENIZER_DEFAULT, TURN_ENDS, resolve_chat_template
@@ -139,7 +139,7 @@ def build_tokenizer(data: DataConfig, model_source: str, rows: Any = None,
         return load_tokenizer(model_source, "train.model")
     key = "data.train" if rows is None else "train_dataset"
     if rows is None and data.mixture is not None:  # learnt from every source's text
-        return train_tokenizer(mixture_texts(data), data.tokenizer_vocab_size)
+        return _mixture_tokenizer(data)
     if rows is None:
         if is_callable_spec(data.train):
             raise ConfigError(f"data.tokenizer = {data.tokenizer!r} trains a tokenizer, which needs text "
@@ -156,52 +156,76 @@ def build_tokenizer(data: DataConfig, model_source: str, rows: Any = None,
         rows = rows.take(STREAMING_TOKENIZER_ROWS)
         logger.info("data.tokenizer: training on the first %d documents of the stream", STREAMING_TOKENIZER_ROWS)
         return train_tokenizer(row_texts(rows, kind, data, key), data.tokenizer_vocab_size)
-    folder = _cached_tokenizer_folder(rows, data)
+    return _trained_or_cached(data, [(rows, kind)], lambda sets: row_texts(*sets[0], data, key))
+
+
+def _mixture_tokenizer(data: DataConfig) -> PreTrainedTokenizerBase:
+    """The tokenizer learnt from every source of ``data.mixture``, cached and sampled as one corpus."""
+    loaded = mixture_sources_rows(data)
+    return _trained_or_cached(data, [(rows, kind) for rows, kind, _ in loaded], lambda sets: mixture_texts(
+        [(rows, kind, source) for (rows, kind), (_, _, source) in zip(sets, loaded)]))
+
+
+def _trained_or_cached(data: DataConfig, row_sets: list[tuple[Any, str]],
+                       texts: Callable[[list[tuple[Any, str]]], Iterable[list[str]]]) -> PreTrainedTokenizerBase:
+    """The tokenizer trained on ``texts(row_sets)`` (``(rows, kind)`` pairs: one source, or a mixture's), from
+    the cache when these rows trained one before; plain-text rows sampled to ``data.tokenizer_train_bytes``."""
+    folder = _cached_tokenizer_folder([rows for rows, _ in row_sets], data)
     if folder is not None and (folder / "tokenizer.json").is_file():
-        logger.log(logging.INFO if len(rows) >= LARGE_ROWS else logging.DEBUG,  # as the tokenized rows' line
+        logger.log(logging.INFO if sum(len(rows) for rows, _ in row_sets) >= LARGE_ROWS else logging.DEBUG,
                    "data.tokenizer: the tokenizer trained on these rows before, from the cache in %s", folder)
         return _load_trained(folder)
-    if kind == "text":  # a large corpus: a sample of its documents learns the same merges, in a fraction of the time
-        rows = _sampled(rows, data)
-    tokenizer = train_tokenizer(row_texts(rows, kind, data, key), data.tokenizer_vocab_size)
+    # a large corpus: a sample of its documents learns the same merges, in a fraction of the time
+    every = _sample_every([rows for rows, kind in row_sets if kind == "text"], data)
+    sampled = [(rows.select(range(0, len(rows), every)) if kind == "text" and every > 1 else rows, kind)
+               for rows, kind in row_sets]
+    tokenizer = train_tokenizer(texts(sampled), data.tokenizer_vocab_size)
     if folder is not None:
         _keep(tokenizer, folder)
     return tokenizer
 
 
-def _cached_tokenizer_folder(rows: Any, data: DataConfig) -> Path | None:
-    """Where the tokenizer trained on ``rows`` is kept: beside their Arrow files (as the tokenized data is),
-    named by those files (path, size, modification time: the source's content, since datasets writes them anew
-    when a source file changes), the [data] keys and the recipe below. None for rows held in memory, or whose
-    files are not in datasets' cache (a ``save_to_disk`` folder is the user's, not a place to write in)."""
+def _cached_tokenizer_folder(row_sets: list[Any], data: DataConfig) -> Path | None:
+    """Where the tokenizer trained on ``row_sets`` is kept: beside the first one's Arrow files (as the tokenized
+    data is), named by all their files (path, size, modification time: the sources' content, since datasets
+    writes them anew when a source file changes), the [data] keys and the recipe below. None if any rows are
+    held in memory, or have files outside datasets' cache (a ``save_to_disk`` folder is the user's, not a place
+    to write in)."""
     import hashlib
 
     import datasets
 
     from engine.config import to_mapping
 
-    files = [Path(entry["filename"]).resolve() for entry in getattr(rows, "cache_files", None) or []]
     cache = Path(data.cache_dir or datasets.config.HF_DATASETS_CACHE).expanduser().resolve()
-    if not files or not files[0].is_relative_to(cache):
-        return None
+    files = []
+    for rows in row_sets:
+        own = [Path(entry["filename"]).resolve() for entry in getattr(rows, "cache_files", None) or []]
+        if not own or not all(file.is_relative_to(cache) for file in own):
+            return None
+        files += own
     try:
         stats = [(str(file), file.stat().st_size, file.stat().st_mtime_ns) for file in files]
     except OSError:
         return None
-    key = json.dumps([TOKENIZER_RECIPE, stats, len(rows), to_mapping(data)], sort_keys=True, default=str)
+    sizes = [len(rows) for rows in row_sets]
+    key = json.dumps([TOKENIZER_RECIPE, stats, sizes[0] if len(sizes) == 1 else sizes, to_mapping(data)],
+                     sort_keys=True, default=str)
     return files[0].parent / f"engine-tokenizer-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-def _sampled(rows: Any, data: DataConfig) -> Any:
-    """Every n-th row of ``rows``, so that their text is within ``data.tokenizer_train_bytes``."""
-    size = rows.data.nbytes  # the Arrow table's: about the text's bytes
+def _sample_every(row_sets: list[Any], data: DataConfig) -> int:
+    """n such that every n-th row of ``row_sets`` holds about ``data.tokenizer_train_bytes`` of text (1: all)."""
+    size = sum(rows.data.nbytes for rows in row_sets)  # the Arrow tables': about the text's bytes
     limit = data.tokenizer_train_bytes
     if not limit or size <= limit:
-        return rows
+        return 1
     every = -(-size // limit)
+    total = sum(len(rows) for rows in row_sets)
     logger.info("data.tokenizer: trained on one row in %d (%d of %d rows, about %.1f of %.1f MB: "
-                "data.tokenizer_train_bytes)", every, -(-len(rows) // every), len(rows), size / every / 1e6, size / 1e6)
-    return rows.select(range(0, len(rows), every))
+                "data.tokenizer_train_bytes)", every, sum(-(-len(rows) // every) for rows in row_sets), total,
+                size / every / 1e6, size / 1e6)
+    return every
 
 
 def _keep(tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
