@@ -22,7 +22,10 @@ Building the fresh Run / Trainer (model copy, optimizer) is not timed. Bytes are
 folder: weights (``model.safetensors*``), ``optimizer.pt`` and the rest (config, scheduler, RNG,
 state, Trainer's ``training_args.bin``). Neither contender fsyncs: saves write into the page
 cache and loads read what was just written, so the times compare the work, not the disk; an
-untimed ``os.sync()`` before each save and load keeps one's write-back out of the next's time.
+untimed ``os.sync()`` before each save and load keeps one's write-back out of the next's time, and an
+untimed ``gc.collect()`` frees the previous round's Run or Trainer for both alike (a Run is freed by the
+collector, a Trainer as its last reference goes: without it a Trainer's load reused freed pages that an
+engine load had to fault in, and the ratio measured the heap, 0.3-2.0 s for the same load).
 
 Round 0 is an untimed warm-up, then ``--repeats`` rounds alternate which contender goes first;
 checkpoints are deleted once measured. The table gives medians over rounds (time ratios: of the
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import os
 import shutil
 import statistics
@@ -57,6 +61,7 @@ from engine import checkpoint
 from engine.config import default_run_mapping
 from engine.builtin.data.collators import DataCollator
 from engine.builtin.models import build_model
+from engine.kit.checkpoint import verify_manifest
 from engine.testing import tiny_dataset
 
 LEARNING_RATE, MAX_STEPS, BATCH_SIZE, SEQ_LEN = 1e-3, 10, 4, 64
@@ -158,10 +163,10 @@ def integrity_work(run: engine.Run, path: Path) -> dict[str, float]:
     parts["finite check at save"] = time.perf_counter() - started
     names = sorted(f.name for f in path.iterdir() if f.name != checkpoint.MARKER)
     started = time.perf_counter()
-    checkpoint._checksums(path, names)
+    checkpoint.file_checksums(path, names)
     parts["checksums at save"] = time.perf_counter() - started
     started = time.perf_counter()
-    checkpoint.verify_manifest(path)
+    verify_manifest(path)
     parts["verify at load"] = time.perf_counter() - started
     return parts
 
@@ -204,12 +209,14 @@ def bench_model(key: str, args: argparse.Namespace, root: Path) -> list[tuple[st
         kept = {}  # the warm-up keeps both checkpoints for the comparison; timed rounds delete at once
         for contender in order:
             os.sync()
+            gc.collect()
             started = time.perf_counter()
             path = contender.save()
             save_s = time.perf_counter() - started
             sizes[contender.name] = folder_bytes(path)
             fresh = contender.fresh(copy.deepcopy(contender.owner.model))
             os.sync()
+            gc.collect()
             started = time.perf_counter()
             contender.restore(fresh, path)
             load_s = time.perf_counter() - started

@@ -38,8 +38,8 @@ Before anything is written, the weights are checked to be finite: a diverged run
 nan on disk. What a resume accepts and how the run goes on (the checks before the model is
 built, the restore after, the hyper-parameters that changed since) is the resume builtin's
 (``builtin.resume``, through the ``resolve_checkpoint``, ``check_checkpoint`` and
-``restore_checkpoint`` hooks); it reads the files with :func:`read_trainer_state`,
-:func:`load_state_file` and :func:`restoring`.
+``restore_checkpoint`` hooks); it reads the files with :func:`load_state_file`, :func:`restoring`
+and :mod:`engine.kit.checkpoint`'s ``read_trainer_state`` and ``verify_manifest``.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def data_order(run: RunView) -> dict[str, int]:
             "gradient_accumulation_steps": train.gradient_accumulation_steps}
 
 
-_THREADED_BYTES = 64 << 20
+_THREADED_BYTES = 64 << 20  # below it, threads (and a memory map) cost more than they save
 
 
 def rng_file(rank: int) -> str:
@@ -117,7 +117,7 @@ def _digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _checksums(folder: Path, names: list[str]) -> dict[str, str]:
+def file_checksums(folder: Path, names: list[str]) -> dict[str, str]:
     """The files' xxh3-64, large ones hashed by a few threads (reading and hashing release the GIL)."""
     sizes = {name: (folder / name).stat().st_size for name in names}
     if sum(sizes.values()) < _THREADED_BYTES:  # starting threads would cost more than they save
@@ -130,7 +130,7 @@ def _checksums(folder: Path, names: list[str]) -> dict[str, str]:
 def write_manifest(folder: Path, marker: str, **fields: Any) -> None:
     """Write ``folder/marker``: ``fields`` plus every other file's size and xxh3-64. Call it last."""
     names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.name != marker)
-    sums = _checksums(folder, names)
+    sums = file_checksums(folder, names)
     files = {name: {"bytes": (folder / name).stat().st_size, "xxh3_64": sums[name]} for name in names}
     (folder / marker).write_text(dumps_json({**fields, "files": files}, indent=1), encoding="utf-8")
 
@@ -148,31 +148,14 @@ def read_manifest(folder: Path, marker: str = MARKER) -> dict[str, Any]:
     return manifest
 
 
-def verify_manifest(folder: Path, marker: str = MARKER, names: list[str] | None = None) -> None:
-    """Check that the files a manifest lists (or ``names`` of them) are there with their size and checksum."""
-    files = read_manifest(folder, marker)["files"]
-    wanted = list(files) if names is None else names
-    for name in wanted:
-        entry = files.get(name)
-        path = folder / name
-        if entry is None:
-            raise CheckpointError(f"{folder}: {name} is not in its manifest ({marker})")
-        if not path.is_file():
-            raise CheckpointError(f"{folder}: {name} is missing")
-        size = path.stat().st_size
-        if size != entry["bytes"]:
-            raise CheckpointError(f"{folder}: {name} is truncated or padded ({size} bytes, saved with {entry['bytes']})")
-    for name, digest in _checksums(folder, wanted).items():
-        if digest != files[name].get("xxh3_64"):
-            raise CheckpointError(f"{folder}: {name} does not match its checksum (its bytes changed after the "
-                                  "save); use another checkpoint")
-
-
 def saved_progress(folder: Path) -> tuple[int, float]:
     """(step, epoch) at which a checkpoint or final model was saved ((0, 0.0) for other model folders)."""
-    if (folder / "trainer_state.json").is_file():
-        state = read_trainer_state(folder)
-        return state["global_step"], float(state["epoch"])
+    if (folder / "trainer_state.json").is_file():  # checked whole by engine.kit.checkpoint.read_trainer_state
+        try:
+            state = json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))
+            return int(state["global_step"]), float(state["epoch"])
+        except (ValueError, UnicodeDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"checkpoint {folder}: trainer_state.json has no step and epoch: {exc}") from None
     if (folder / FINAL_MARKER).is_file():
         manifest = read_manifest(folder, FINAL_MARKER)
         return int(manifest.get("step") or 0), float(manifest.get("epoch") or 0.0)
@@ -449,37 +432,10 @@ def save_final_model(run: RunView) -> None:
 # ---------------------------------------------------------------------------- reading checkpoints
 
 
-# trainer_state.json: key -> the types its value may have (what a resume requires)
-_TRAINER_STATE = {"global_step": (int,), "epoch": (int, float), "steps_per_epoch": (int,), "log_history": (list,),
-                  "plugins": (list,), "world_size": (int,), "data_order": (dict,), "config": (dict,),
-                  "strategy": (str,),
-                  "num_input_tokens_seen": (int,), "num_skipped_steps": (int,), "best_metric": (int, float, type(None)),
-                  "best_global_step": (int, type(None)), "best_model_checkpoint": (str, type(None))}
-
-
-def read_trainer_state(path: Path) -> dict[str, Any]:
-    """trainer_state.json, its structure checked: each failure names the key and what was found."""
-    where = f"checkpoint {path}: trainer_state.json"
-    try:
-        state = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{where} is not valid JSON: {exc}") from None
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{where} holds a JSON {type(state).__name__}, expected an object")
-    for key, types in _TRAINER_STATE.items():
-        value = state.get(key)
-        if key not in state or not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            found = "missing" if key not in state else f"a {type(value).__name__} ({value!r:.40})"
-            raise CheckpointError(f"{where}: {key} is {found}, expected {' or '.join(t.__name__ for t in types)}")
-    if not all(isinstance(name, str) for name in state["plugins"]) or not isinstance(state["config"].get("train"), dict):
-        raise CheckpointError(f"{where}: plugins must be a list of names and config a composed run config")
-    return state
-
-
 def load_state_file(path: Path, name: str, device: Any = "cpu", expect: tuple[str, ...] = ()) -> Any:
     """``torch.load`` one file (weights_only); a dict with the ``expect`` keys, when given."""
     try:
-        value = torch.load(path / name, map_location=device, weights_only=True)
+        value = _load_torch_file(path / name, device)
     except Exception as exc:  # foreign or damaged files: say which one
         raise CheckpointError(f"checkpoint {path}: cannot load {name}: {exc}") from None
     if expect and (not isinstance(value, dict) or not all(key in value for key in expect)):
@@ -487,6 +443,36 @@ def load_state_file(path: Path, name: str, device: Any = "cpu", expect: tuple[st
             f"a {type(value).__name__}"
         raise CheckpointError(f"checkpoint {path}: {name} holds {found}, expected a dict with {', '.join(expect)}")
     return value
+
+
+def _load_torch_file(file: Path, device: Any) -> Any:
+    """``torch.load(file, weights_only=True)``, faster: the file memory-mapped, then each storage the map holds
+    copied into memory by a few threads (an 800 MB AdamW state in 0.33 s on 2 cores, where torch.load reading
+    record by record takes 0.57 s). Views keep sharing their storage; nothing refers to the map afterwards.
+    Small files, and states holding tensor subclasses, are read the plain way."""
+    from torch.utils._pytree import tree_leaves, tree_map
+
+    large = file.stat().st_size >= _THREADED_BYTES
+    value = torch.load(file, map_location=device, weights_only=True, mmap=large)
+    tensors = [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+    if not large or any(type(tensor) is not torch.Tensor for tensor in tensors):
+        return value if not large else torch.load(file, map_location=device, weights_only=True)
+    # map_location="cuda" copied its tensors out of the map already
+    mapped = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors if t.device.type == "cpu"}
+    largest_first = sorted(mapped, key=lambda pointer: -mapped[pointer].nbytes())
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        # through a uint8 tensor: its clone runs without the GIL
+        copies = dict(zip(largest_first, pool.map(
+            lambda pointer: torch.empty(0, dtype=torch.uint8).set_(mapped[pointer]).clone().untyped_storage(),
+            largest_first)))
+
+    def in_memory(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor) or leaf.device.type != "cpu":
+            return leaf
+        return torch.empty(0, dtype=leaf.dtype).set_(copies[leaf.untyped_storage().data_ptr()], leaf.storage_offset(),
+                                                     leaf.size(), leaf.stride()).requires_grad_(leaf.requires_grad)
+
+    return tree_map(in_memory, value)
 
 
 @contextlib.contextmanager

@@ -136,6 +136,27 @@ def test_locate_checkpoint_fetches_a_named_checkpoint_which_is_validated_like_an
         run.train()
 
 
+def test_a_large_state_file_loads_as_torch_load_reads_it(tmp_path):
+    """Files of 64 MB and more are read through a memory map and copied out of it by threads: the same values,
+    dtypes and views as torch.load gives, in memory of their own (the file can go); tensor subclasses the
+    plain way."""
+    weights = torch.randn(17_000_000)  # 68 MB
+    state = {"state": {0: {"exp_avg": weights, "view": weights[10:20], "step": torch.tensor(3.0)}},
+             "pairs": (torch.arange(4, dtype=torch.int64), [torch.ones(2, dtype=torch.bfloat16)], 7),
+             "flags": torch.tensor([True, False]), "empty": torch.empty(0), "grad": torch.ones(2, requires_grad=True)}
+    torch.save(state, tmp_path / "big.pt")
+    loaded = ckpt.load_state_file(tmp_path, "big.pt")
+    (tmp_path / "big.pt").unlink()
+    assert torch.equal(loaded["state"][0]["exp_avg"], weights) and loaded["state"][0]["step"].item() == 3.0
+    loaded["state"][0]["exp_avg"][15] = 42.0  # a view still shares its storage
+    assert loaded["state"][0]["view"][5].item() == 42.0
+    assert torch.equal(loaded["pairs"][0], torch.arange(4)) and loaded["pairs"][1][0].dtype == torch.bfloat16
+    assert loaded["pairs"][2] == 7 and isinstance(loaded["pairs"], tuple)
+    assert loaded["flags"].tolist() == [True, False] and loaded["empty"].numel() == 0 and loaded["grad"].requires_grad
+    torch.save({"weight": torch.nn.Parameter(weights)}, tmp_path / "subclass.pt")
+    assert isinstance(ckpt.load_state_file(tmp_path, "subclass.pt")["weight"], torch.nn.Parameter)
+
+
 def test_checkpoint_layout_and_trainer_state(tmp_path):
     run = _run(tmp_path, {"max_steps": 2, "save_strategy": "steps", "save_steps": 2}, objects=[])
     run.train()

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 import engine.checkpoint as ckpt
 from engine import CheckpointError, ConfigError, Run, TrainingDiverged, hookimpl
 from engine.config import to_toml
-from engine.kit.checkpoint import check_model_folder
+from engine.kit.checkpoint import check_model_folder, verify_manifest
 from engine.builtin.data.collators import DataCollator
 from engine.layout import FINAL_MARKER, FINAL_TMP, LOCK, MARKER, RECORD
 from engine.testing import tiny_dataset, tiny_model
@@ -270,7 +270,7 @@ def test_a_diverged_run_stops_with_status_3_and_leaves_no_nan_on_disk(tmp_path, 
     print(error)
     assert not (out / FINAL_MARKER).exists() and not (out / "model.safetensors").exists()
     for folder in ckpt.list_checkpoints(out):
-        ckpt.verify_manifest(folder)
+        verify_manifest(folder)
         assert _all_finite(load_file(folder / "model.safetensors")), folder
         _strict_json((folder / "trainer_state.json").read_text())
     assert _strict_json((out / RECORD).read_text())["status"] == "diverged"
@@ -561,7 +561,7 @@ def test_a_save_that_runs_out_of_space_fails_clearly_and_keeps_what_was_saved(
     assert not [p for p in out.iterdir() if p.name.startswith(".tmp-")]
     assert not (out / FINAL_MARKER).exists()
     for folder in ckpt.list_checkpoints(out):
-        ckpt.verify_manifest(folder)
+        verify_manifest(folder)
     assert ckpt.list_checkpoints(out)[-1].name == f"checkpoint-{after_step}"
     refused = _engine("train", _run_file(tmp_path, tmp_path / "next", name="next.toml", model=str(out)))
     assert refused.returncode == 2
@@ -571,7 +571,7 @@ def test_a_save_that_runs_out_of_space_fails_clearly_and_keeps_what_was_saved(
     resumed = _engine("train", run_file, "--set", "train.resume_from_checkpoint=true", "--set", "fsize.after_step=0",
                       env=env)
     assert resumed.returncode == 0, resumed.stderr
-    ckpt.verify_manifest(out, FINAL_MARKER)
+    verify_manifest(out, FINAL_MARKER)
 
 
 def _mount_tmpfs(folder, size):
@@ -595,7 +595,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path):
         (error,) = _errors(result.stderr)
         assert error.startswith(f"engine: error: cannot write checkpoint-2 in {out}: No space left on device; ")
         assert [p.name for p in out.iterdir() if p.is_dir()] == ["checkpoint-1"]
-        ckpt.verify_manifest(out / "checkpoint-1")
+        verify_manifest(out / "checkpoint-1")
     finally:
         subprocess.run(["umount", str(disk)], check=True)
 

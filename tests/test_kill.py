@@ -19,7 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.checkpoint import list_checkpoints, verify_manifest
+from engine.checkpoint import list_checkpoints
+from engine.kit.checkpoint import verify_manifest
 from engine.layout import FINAL_MARKER, FINAL_TMP
 
 STEPS = 40

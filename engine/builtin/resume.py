@@ -33,11 +33,11 @@ import torch
 
 from engine import hookimpl
 from engine.catalogue import CHECKPOINT_SOURCES
-from engine.checkpoint import (PROGRESS_FIELDS, REQUIRED, data_order, list_checkpoints, load_state_file,
-                               read_trainer_state, restoring, rng_file, set_rng_state, verify_manifest)
+from engine.checkpoint import (PROGRESS_FIELDS, REQUIRED, data_order, list_checkpoints, load_state_file, restoring,
+                               rng_file, set_rng_state)
 from engine.config import START_KEYS, RunConfig, option
 from engine.errors import CheckpointError, ConfigError
-from engine.kit.checkpoint import check_safetensors, weight_files
+from engine.kit.checkpoint import check_safetensors, read_trainer_state, verify_manifest, weight_files
 from engine.layout import MARKER, WEIGHTS, WEIGHTS_INDEX
 from engine.optim import parse_optim_args
 from engine.util import dumps_json

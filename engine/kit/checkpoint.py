@@ -9,7 +9,8 @@
 * :func:`read_weights` reads a folder's weights for a model (:func:`load_weights` loads them into
   it); :func:`load_state_file` loads one checkpoint file with ``weights_only=True``;
   :func:`restoring` turns a failure while restoring ``name`` into a :class:`CheckpointError`
-  naming the checkpoint.
+  naming the checkpoint; :func:`read_trainer_state` reads a checkpoint's trainer_state.json, its
+  structure checked; :func:`verify_manifest` checks files against their manifest (sizes, checksums).
 * :func:`check_model_folder` refuses a model folder (``train.model``, the best checkpoint, the
   one ``engine evaluate`` loads) whose weights are missing or damaged; :func:`weight_files` lists
   a folder's safetensors files and :func:`check_safetensors` checks one from its header (resume
@@ -36,8 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..checkpoint import (check_finite_weights, diverged, final_model_files, list_checkpoints, load_state_file,
-                          read_manifest, restoring, verify_manifest)
+from ..checkpoint import (check_finite_weights, diverged, file_checksums, final_model_files, list_checkpoints,
+                          load_state_file, read_manifest, restoring)
 from ..errors import CheckpointError, ConfigError
 from ..layout import FINAL_MARKER, FINAL_TMP, MARKER, RECORD, TMP, WEIGHTS, WEIGHTS_INDEX
 from ..rundir import versions
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from ..state import RunView
 
 __all__ = ["ModelWeights", "write_model", "read_weights", "load_weights", "load_state_file", "restoring",
+           "read_trainer_state", "verify_manifest",
            "check_finite_weights", "diverged", "check_model_folder", "weight_files", "check_safetensors",
            "final_model_files", "list_checkpoints", "snapshot_files", "save_pretrained",
            "versions", "CheckpointError", "MARKER", "FINAL_MARKER", "TMP", "WEIGHTS", "WEIGHTS_INDEX"]
@@ -343,3 +345,53 @@ def load_weights(model: torch.nn.Module, folder: str | Path, device: Any = "cpu"
         model.load_state_dict(state)
     except RuntimeError as exc:  # shape mismatch: a different model config
         raise CheckpointError(f"checkpoint {folder}: weights do not fit the model: {exc}") from None
+
+
+# ---------------------------------------------------------------------------- reading checkpoints
+
+
+def verify_manifest(folder: Path, marker: str = MARKER, names: list[str] | None = None) -> None:
+    """Check that the files a manifest lists (or ``names`` of them) are there with their size and checksum."""
+    files = read_manifest(folder, marker)["files"]
+    wanted = list(files) if names is None else names
+    for name in wanted:
+        entry = files.get(name)
+        path = folder / name
+        if entry is None:
+            raise CheckpointError(f"{folder}: {name} is not in its manifest ({marker})")
+        if not path.is_file():
+            raise CheckpointError(f"{folder}: {name} is missing")
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointError(f"{folder}: {name} is truncated or padded ({size} bytes, saved with {entry['bytes']})")
+    for name, digest in file_checksums(folder, wanted).items():
+        if digest != files[name].get("xxh3_64"):
+            raise CheckpointError(f"{folder}: {name} does not match its checksum (its bytes changed after the "
+                                  "save); use another checkpoint")
+
+
+# trainer_state.json: key -> the types its value may have (what a resume requires)
+_TRAINER_STATE = {"global_step": (int,), "epoch": (int, float), "steps_per_epoch": (int,), "log_history": (list,),
+                  "plugins": (list,), "world_size": (int,), "data_order": (dict,), "config": (dict,),
+                  "strategy": (str,),
+                  "num_input_tokens_seen": (int,), "num_skipped_steps": (int,), "best_metric": (int, float, type(None)),
+                  "best_global_step": (int, type(None)), "best_model_checkpoint": (str, type(None))}
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    """trainer_state.json, its structure checked: each failure names the key and what was found."""
+    where = f"checkpoint {path}: trainer_state.json"
+    try:
+        state = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{where} is not valid JSON: {exc}") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{where} holds a JSON {type(state).__name__}, expected an object")
+    for key, types in _TRAINER_STATE.items():
+        value = state.get(key)
+        if key not in state or not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            found = "missing" if key not in state else f"a {type(value).__name__} ({value!r:.40})"
+            raise CheckpointError(f"{where}: {key} is {found}, expected {' or '.join(t.__name__ for t in types)}")
+    if not all(isinstance(name, str) for name in state["plugins"]) or not isinstance(state["config"].get("train"), dict):
+        raise CheckpointError(f"{where}: plugins must be a list of names and config a composed run config")
+    return state

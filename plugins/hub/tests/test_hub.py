@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine import hookimpl
-from engine.checkpoint import verify_manifest
+from engine.kit.checkpoint import verify_manifest
 from engine.cli import main
 from engine.config import to_toml
 from engine.errors import PluginError

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine.checkpoint import verify_manifest
+from engine.kit.checkpoint import verify_manifest
 from engine.layout import FINAL_MARKER, MARKER
 
 sys.path.insert(0, str(Path(__file__).parent))  # the fake server next to this file (importlib mode)
