@@ -103,12 +103,9 @@ def rng_file(rank: int) -> str:
 
 
 def _digest(path: Path) -> str:
-    """xxh3-64 of a file (about 15 GB/s: a checksum costs a small part of writing the file).
-
-    Hashed from a memory map: the bytes were just written or are about to be loaded, so they are
-    in the page cache, and a map hashes them there (reading them into a buffer first took ~40 %
-    longer).
-    """
+    """xxh3-64 of a file (about 15 GB/s: a checksum costs a small part of writing the file), hashed from a
+    memory map: the bytes were just written or are about to be loaded, so they are in the page cache, and a
+    map hashes them there (reading them into a buffer first took ~40 % longer)."""
     digest = xxhash.xxh3_64()
     with open(path, "rb") as handle:
         if os.fstat(handle.fileno()).st_size:  # an empty file cannot be mapped
@@ -231,8 +228,9 @@ def _writing(what: str, folder: Path, tmp: Path):
     """
     from safetensors import SafetensorError
 
-    crc32 = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
+    crc32 = getattr(torch.serialization, "get_crc32_options", None)  # an older torch always writes it
+    if crc32 := crc32 and crc32():
+        torch.serialization.set_crc32_options(False)
     try:
         yield
     except TrainingDiverged:  # refused before writing: nothing half-written stays behind
@@ -253,7 +251,8 @@ def _writing(what: str, folder: Path, tmp: Path):
         raise CheckpointError(f"cannot write {what} in {folder}: {reason}; {free:.1f} MB free there; "
                               "the checkpoints saved before are intact") from None
     finally:
-        torch.serialization.set_crc32_options(crc32)
+        if crc32:
+            torch.serialization.set_crc32_options(True)
 
 
 def _lost_errno(folder: Path) -> str:
