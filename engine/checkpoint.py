@@ -451,11 +451,12 @@ def _load_torch_file(file: Path, device: Any) -> Any:
     Small files, and states holding tensor subclasses, are read the plain way."""
     from torch.utils._pytree import tree_leaves, tree_map
 
-    large = file.stat().st_size >= _THREADED_BYTES
-    value = torch.load(file, map_location=device, weights_only=True, mmap=large)
+    if file.stat().st_size < _THREADED_BYTES:
+        return torch.load(file, map_location=device, weights_only=True)
+    value = torch.load(file, map_location=device, weights_only=True, mmap=True)
     tensors = [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
-    if not large or any(type(tensor) is not torch.Tensor for tensor in tensors):
-        return value if not large else torch.load(file, map_location=device, weights_only=True)
+    if any(type(tensor) is not torch.Tensor for tensor in tensors):
+        return torch.load(file, map_location=device, weights_only=True)
     # map_location="cuda" copied its tensors out of the map already
     mapped = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors if t.device.type == "cpu"}
     largest_first = sorted(mapped, key=lambda pointer: -mapped[pointer].nbytes())

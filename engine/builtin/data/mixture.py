@@ -184,8 +184,7 @@ def mixture_sources_rows(data: DataConfig) -> list[tuple[Any, str, MixtureSource
     return loaded
 
 
-def mixture_texts(loaded: list[tuple[Any, str, MixtureSource]]) -> Iterator[list[str]]:
-    """The text of :func:`mixture_sources_rows`' sources, in batches."""
-    for rows, kind, source in loaded:
-        with named_rows(source.entry.source, source.key, source.data):
-            yield from row_texts(rows, kind, source.data, source.key)
+def source_texts(rows: Any, kind: str, source: MixtureSource) -> Iterator[list[str]]:
+    """The text of a source's ``rows`` (all of them or a sample), in batches; a bad row names the source."""
+    with named_rows(source.entry.source, source.key, source.data):
+        yield from row_texts(rows, kind, source.data, source.key)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import logging
 from pathlib import Path
@@ -11,7 +13,7 @@ from engine.errors import ConfigError
 from engine.util import is_callable_spec
 
 from .formats import row_texts
-from .mixture import mixture_sources_rows, mixture_texts
+from .mixture import mixture_sources_rows, source_texts
 from .sources import LARGE_ROWS, data_kind, load_source, logger
 from .task_rows import check_columns, tokenizer_texts
 from .templates import TOKENIZER_DEFAULT, TURN_ENDS, resolve_chat_template
@@ -156,30 +158,30 @@ def build_tokenizer(data: DataConfig, model_source: str, rows: Any = None,
         rows = rows.take(STREAMING_TOKENIZER_ROWS)
         logger.info("data.tokenizer: training on the first %d documents of the stream", STREAMING_TOKENIZER_ROWS)
         return train_tokenizer(row_texts(rows, kind, data, key), data.tokenizer_vocab_size)
-    return _trained_or_cached(data, [(rows, kind)], lambda sets: row_texts(*sets[0], data, key))
+    return _trained_or_cached(data, [(rows, kind, lambda rows: row_texts(rows, kind, data, key))])
 
 
 def _mixture_tokenizer(data: DataConfig) -> PreTrainedTokenizerBase:
     """The tokenizer learnt from every source of ``data.mixture``, cached and sampled as one corpus."""
-    loaded = mixture_sources_rows(data)
-    return _trained_or_cached(data, [(rows, kind) for rows, kind, _ in loaded], lambda sets: mixture_texts(
-        [(rows, kind, source) for (rows, kind), (_, _, source) in zip(sets, loaded)]))
+    return _trained_or_cached(data, [(rows, kind, functools.partial(source_texts, kind=kind, source=source))
+                                     for rows, kind, source in mixture_sources_rows(data)])
 
 
-def _trained_or_cached(data: DataConfig, row_sets: list[tuple[Any, str]],
-                       texts: Callable[[list[tuple[Any, str]]], Iterable[list[str]]]) -> PreTrainedTokenizerBase:
-    """The tokenizer trained on ``texts(row_sets)`` (``(rows, kind)`` pairs: one source, or a mixture's), from
-    the cache when these rows trained one before; plain-text rows sampled to ``data.tokenizer_train_bytes``."""
-    folder = _cached_tokenizer_folder([rows for rows, _ in row_sets], data)
+def _trained_or_cached(data: DataConfig, sources: list[tuple[Any, str, Callable[[Any], Iterable[list[str]]]]]
+                       ) -> PreTrainedTokenizerBase:
+    """The tokenizer trained on ``sources`` (one, or a mixture's: ``(rows, kind, texts)``, where ``texts(rows)``
+    reads the rows' text in batches), from the cache when these rows trained one before; plain-text rows sampled
+    to ``data.tokenizer_train_bytes``."""
+    folder = _cached_tokenizer_folder([rows for rows, _, _ in sources], data)
     if folder is not None and (folder / "tokenizer.json").is_file():
-        logger.log(logging.INFO if sum(len(rows) for rows, _ in row_sets) >= LARGE_ROWS else logging.DEBUG,
+        logger.log(logging.INFO if sum(len(rows) for rows, _, _ in sources) >= LARGE_ROWS else logging.DEBUG,
                    "data.tokenizer: the tokenizer trained on these rows before, from the cache in %s", folder)
         return _load_trained(folder)
     # a large corpus: a sample of its documents learns the same merges, in a fraction of the time
-    every = _sample_every([rows for rows, kind in row_sets if kind == "text"], data)
-    sampled = [(rows.select(range(0, len(rows), every)) if kind == "text" and every > 1 else rows, kind)
-               for rows, kind in row_sets]
-    tokenizer = train_tokenizer(texts(sampled), data.tokenizer_vocab_size)
+    every = _sample_every([rows for rows, kind, _ in sources if kind == "text"], data)
+    batches = (texts(rows.select(range(0, len(rows), every)) if kind == "text" and every > 1 else rows)
+               for rows, kind, texts in sources)
+    tokenizer = train_tokenizer(itertools.chain.from_iterable(batches), data.tokenizer_vocab_size)
     if folder is not None:
         _keep(tokenizer, folder)
     return tokenizer
